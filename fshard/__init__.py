@@ -23,7 +23,7 @@ from fshard._api import (
     unshard,
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
-from fshard._errors import RankMismatchError
+from fshard._errors import CollectiveError, RankMismatchError
 from fshard._init import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._sharded import ShardedParameter, is_sharded
@@ -86,4 +86,5 @@ __all__ = [
     "FSDPConfig",
     # errors
     "RankMismatchError",
+    "CollectiveError",
 ]

@@ -7,14 +7,18 @@ label per collective.
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fshard._errors import CollectiveError, rank_prefix
 from fshard._profiling import phase
 
 __all__ = [
@@ -29,6 +33,11 @@ __all__ = [
     "gather_into",
     "scatter_into",
     "broadcast_objects",
+    "wait",
+    "SequenceRecord",
+    "start_recording",
+    "take_recording",
+    "stop_recording",
 ]
 
 logger = logging.getLogger("fshard")
@@ -97,6 +106,107 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ------------------------------------------------------------------ failures and order checks
+
+# [Note: Ranks must issue the same collectives]
+# A collective pairs with whatever the peer ranks issue next on the same group. Ranks that ran
+# different units this step (a unit called on only some ranks, data-dependent control flow) issue
+# different sequences: a different count hangs until the process group's timeout, and an equal
+# count of equally sized buffers pairs the wrong units' data without any error. So (1) every
+# failure of a collective names the unit and the usual causes, and (2) the root compares the
+# sequence each rank issued on each of its groups after the first backward (and after every
+# backward with FSHARD_DEBUG=1), turning a silent mis-pairing into an error before the optimizer
+# steps on the wrong gradients.
+
+_HINT = (
+    "Usual causes: a peer rank stopped, crashed or timed out; or the ranks ran different units "
+    "(or the same units in a different order) in this step, e.g. a unit called on only some ranks "
+    "by data-dependent control flow. Every rank must run each unit's forward and backward the same "
+    "way. Set FSHARD_DEBUG=1 to compare the ranks' collectives after every backward."
+)
+
+
+@contextmanager
+def _failure_context(op: str, label: str) -> Iterator[None]:
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # DistBackendError and gloo/NCCL timeouts are RuntimeErrors
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveError(
+            f"{rank_prefix()}fshard: the {op} of {label!r} failed: {first_line}\n{_HINT}"
+        ) from exc
+
+
+def wait(work: dist.Work | None, *, op: str, label: str) -> None:
+    """Wait for an asynchronous collective; a failure is a ``CollectiveError`` naming ``label``."""
+    if work is None:
+        return
+    with _failure_context(op, label):
+        work.wait()
+
+
+@dataclass
+class SequenceRecord:
+    """The collectives this rank issued on one group since the last check, as a digest.
+
+    Only the first ``keep`` entries are kept in full (to name the first difference); the count
+    and the digest cover all of them, so memory stays bounded whatever runs between checks.
+    """
+
+    keep: int = 512
+    count: int = 0
+    head: list[tuple[str, str, int]] = field(default_factory=list)
+    _digest: Any = field(default_factory=hashlib.blake2b)
+
+    def add(self, op: str, label: str, numel: int) -> None:
+        self.count += 1
+        self._digest.update(f"{op}|{label}|{numel};".encode())
+        if len(self.head) < self.keep:
+            self.head.append((op, label, numel))
+
+    @property
+    def digest(self) -> str:
+        return str(self._digest.hexdigest())
+
+
+# Keyed by the group object: ranks must agree on the sequence issued on each group they share.
+_RECORDS: dict[dist.ProcessGroup, SequenceRecord] = {}
+# Drop the group references before interpreter finalization (see _mesh: gloo groups must not be
+# torn down during it).
+atexit.register(_RECORDS.clear)
+
+
+def start_recording(group: dist.ProcessGroup) -> None:
+    """Record the engine's collectives on ``group`` from now on, dropping any earlier record.
+
+    Called when a root initialises, on every rank at the same point, so that whatever an earlier
+    model left on a shared group (a failed step, a model never trained) cannot show up as a
+    difference in this one's check.
+    """
+    _RECORDS[group] = SequenceRecord()
+
+
+def take_recording(group: dist.ProcessGroup) -> SequenceRecord | None:
+    """Return the record of ``group`` and start a fresh one (``None`` if not recording)."""
+    record = _RECORDS.get(group)
+    if record is not None:
+        _RECORDS[group] = SequenceRecord()
+    return record
+
+
+def stop_recording(group: dist.ProcessGroup) -> None:
+    _RECORDS.pop(group, None)
+
+
+def _record(op: str, group: dist.ProcessGroup | None, label: str, numel: int) -> None:
+    if _RECORDS and group is not None:
+        record = _RECORDS.get(group)
+        if record is not None:
+            record.add(op, label, numel)
+
+
 def all_gather_into(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -107,7 +217,8 @@ def all_gather_into(
 ) -> dist.Work | None:
     """Gather ``input`` from every rank of ``group`` into ``output`` (rank-major, 1D)."""
     _trace("all_gather", group, _nbytes(input), _nbytes(output), input.dtype, label, async_op)
-    with phase(f"fshard::all_gather({label})"):
+    _record("all_gather", group, label, input.numel())
+    with phase(f"fshard::all_gather({label})"), _failure_context("all_gather", label):
         return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -121,7 +232,8 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``input`` (rank-major chunks) over ``group``; this rank's chunk lands in ``output``."""
     _trace("reduce_scatter", group, _nbytes(input), _nbytes(output), input.dtype, label, async_op)
-    with phase(f"fshard::reduce_scatter({label})"):
+    _record("reduce_scatter", group, label, output.numel())
+    with phase(f"fshard::reduce_scatter({label})"), _failure_context("reduce_scatter", label):
         return _reduce_scatter_single(
             output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
         )
@@ -137,7 +249,8 @@ def all_reduce_(
 ) -> dist.Work | None:
     """Reduce ``tensor`` in place over ``group`` (SUM or MAX: ops every backend supports)."""
     _trace("all_reduce", group, _nbytes(tensor), _nbytes(tensor), tensor.dtype, label, async_op)
-    with phase(f"fshard::all_reduce({label})"):
+    _record("all_reduce", group, label, tensor.numel())
+    with phase(f"fshard::all_reduce({label})"), _failure_context("all_reduce", label):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -146,7 +259,7 @@ def broadcast_(
 ) -> None:
     """Broadcast ``tensor`` in place from global rank ``src``."""
     _trace("broadcast", group, _nbytes(tensor), _nbytes(tensor), tensor.dtype, label, False)
-    with phase(f"fshard::broadcast({label})"):
+    with phase(f"fshard::broadcast({label})"), _failure_context("broadcast", label):
         dist.broadcast(tensor, src=src, group=group)
 
 
@@ -155,7 +268,10 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, label: str)
     size = dist.get_world_size(group)
     out: list[Any] = [None] * size
     _trace("all_gather_object", group, 0, 0, None, label, False)
-    with phase(f"fshard::all_gather_object({label})"):
+    with (
+        phase(f"fshard::all_gather_object({label})"),
+        _failure_context("all_gather_object", label),
+    ):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -182,7 +298,7 @@ def gather_into(
     out_bytes = _nbytes(input) * size if is_dst else 0
     _trace("gather", group, _nbytes(input), out_bytes, input.dtype, label, False)
     flat = input.reshape(-1)
-    with phase(f"fshard::gather({label})"):
+    with phase(f"fshard::gather({label})"), _failure_context("gather", label):
         if not is_dst:
             dist.send(flat, dst=dst, group=group)
             return
@@ -198,7 +314,7 @@ def gather_into(
             if work is not None:  # None only for ranks outside the group, never here
                 works.append(work)
         for work in works:
-            work.wait()
+            work.wait()  # inside the failure context above
 
 
 def scatter_into(
@@ -223,7 +339,7 @@ def scatter_into(
         if input is None:
             raise ValueError(f"scatter_into({label}): the source rank {src} needs an input")
         scatter_list = list(input.view(size, -1).unbind(0))
-    with phase(f"fshard::scatter({label})"):
+    with phase(f"fshard::scatter({label})"), _failure_context("scatter", label):
         dist.scatter(output, scatter_list, src=src, group=group)
 
 
@@ -231,7 +347,10 @@ def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None, *, la
     """Broadcast one picklable object from global rank ``src``; every rank returns it."""
     box = [obj]
     _trace("broadcast_object", group, 0, 0, None, label, False)
-    with phase(f"fshard::broadcast_object({label})"):
+    with (
+        phase(f"fshard::broadcast_object({label})"),
+        _failure_context("broadcast_object", label),
+    ):
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-__all__ = ["RankMismatchError", "ProblemList", "internal_error", "rank_prefix"]
+__all__ = ["RankMismatchError", "CollectiveError", "ProblemList", "internal_error", "rank_prefix"]
 
 
 class RankMismatchError(ValueError):
@@ -24,6 +24,19 @@ class RankMismatchError(ValueError):
         ... # doctest: +SKIP
         RankMismatchError: ranks built different sharded models: rank 0 has parameter '0.weight'
         (unit '0', shape [7, 5], ...) where rank 1 has parameter '0.weight' (unit '0', shape [8, 5], ...)
+    """
+
+
+class CollectiveError(RuntimeError):
+    """A collective that fshard issued failed (timed out, or a peer rank went away).
+
+    The message names the operation and the unit (or API) that issued it, and the usual causes:
+    a peer rank that stopped, crashed or timed out, or ranks that ran different units (or the same
+    units in a different order) in this step. The backend's own error is the ``__cause__``.
+
+    Example:
+        >>> loss.backward()  # rank 1 skipped unit 'layers.1' in its forward  # doctest: +SKIP
+        CollectiveError: [rank 0] fshard: the all_gather of 'layers.1' failed: ... Timed out ...
     """
 
 

@@ -81,9 +81,8 @@ class PendingReduce:
     def finish(self) -> PendingAllReduce | None:
         """Wait for the reduce-scatter; return the cross-replica all-reduce it issued, if any."""
         with phase(f"fshard::finish_reduce({self.group.trace_name})"):
-            if self.work is not None:
-                self.work.wait()
-                self.work = None
+            _collectives.wait(self.work, op="reduce_scatter", label=self.group.trace_name)
+            self.work = None
             output = self.output
             if self.post_divide != 1.0:
                 output.div_(self.post_divide)
@@ -95,14 +94,14 @@ class PendingReduce:
 class PendingAllReduce:
     """A bucket's cross-replica all-reduce (2D meshes) in flight; ``finish`` sets the grads."""
 
-    def __init__(self, reduced: _Reduced, work: dist.Work | None) -> None:
+    def __init__(self, reduced: _Reduced, work: dist.Work | None, label: str) -> None:
         self.reduced = reduced
         self.work = work
+        self.label = label
 
     def finish(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        _collectives.wait(self.work, op="all_reduce", label=self.label)
+        self.work = None
         self.reduced.assign()
 
 
@@ -271,8 +270,7 @@ class ParamGroup:
             raise internal_error(f"wait_for_unshard on unit {self.label} that is sharded")
         with phase(f"fshard::copy_out({self.trace_name})"):
             for bucket, work, all_gather_output in self._pending_gather:
-                if work is not None:
-                    work.wait()
+                _collectives.wait(work, op="all_gather", label=self.trace_name)
                 bucket.copy_out(all_gather_output)
                 if self.mesh_info.shard_size > 1:  # size 1 gathers nothing: no output buffer
                     GATHERED.sub(all_gather_output.numel() * all_gather_output.element_size())
@@ -427,7 +425,7 @@ class ParamGroup:
             work = _collectives.all_reduce_(
                 reduced.output, info.replicate_group, label=self.trace_name, async_op=True
             )
-            return PendingAllReduce(reduced, work)
+            return PendingAllReduce(reduced, work, self.trace_name)
         reduced.assign()
         return None
 

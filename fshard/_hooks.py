@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -116,11 +117,20 @@ class RootState:
         self._pending_reduces: list[PendingReduce | PendingAllReduce] = []
         self._next_forward: dict[int, list[ParamGroup]] = {}
         self._next_backward: dict[int, list[ParamGroup]] = {}
+        # See [Note: Ranks must issue the same collectives] in _collectives.
+        self._check_every_step = os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")
+        self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
+        self._grad_forward_pending = False
+        self._process_groups = _process_groups_of(groups)
+        for process_group in self._process_groups:
+            _collectives.start_recording(process_group)
 
     # Order and prefetch -----------------------------------------------------------------------
 
     def on_root_pre_forward(self) -> None:
         self.finish_reduces()
+        if torch.is_grad_enabled():
+            self._grad_forward_pending = True
         if not self._recorded and torch.is_grad_enabled():
             self._recording = True
             self.forward_order = []
@@ -130,6 +140,8 @@ class RootState:
             self._recording = False
             self._recorded = True
             self._build_prefetch_plan()
+        if self._check_every_step and not self._grad_forward_pending:
+            self.check_collective_order("forward")  # inference: no backward will check
 
     def record(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:
@@ -201,6 +213,38 @@ class RootState:
                 group.reshard()
                 group.reset_backward()
                 group.training_state = TrainingState.IDLE
+            self._grad_forward_pending = False
+            if self._checking:
+                self.check_collective_order("backward")
+
+    # Order checks -----------------------------------------------------------------------------
+
+    def check_collective_order(self, moment: str) -> None:
+        """Compare the collectives each rank issued on each group since the last check.
+
+        Raises ``RankMismatchError`` naming the first differing collective and both ranks. After
+        the first backward this stops, unless ``FSHARD_DEBUG`` is set.
+        """
+        with phase("fshard::check_collective_order"):
+            for process_group in self._process_groups:
+                record = _collectives.take_recording(process_group)
+                if record is None:
+                    continue
+                mine = (dist.get_rank(), record.count, record.digest)
+                everyone = _collectives.all_gather_objects(
+                    mine, process_group, label="check_collective_order"
+                )
+                if len({(count, digest) for _, count, digest in everyone}) > 1:
+                    heads = _collectives.all_gather_objects(
+                        (dist.get_rank(), record.count, record.digest, record.head),
+                        process_group,
+                        label="check_collective_order",
+                    )
+                    raise RankMismatchError(_order_mismatch_message(heads, moment))
+        if not self._check_every_step:
+            self._checking = False
+            for process_group in self._process_groups:
+                _collectives.stop_recording(process_group)
 
 
 # ------------------------------------------------------------------------------------- forward
@@ -315,6 +359,54 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor) -> None:
     for target in root.backward_targets(group, BackwardPrefetch.BACKWARD_PRE):
         target.unshard(async_op=True)
     return None
+
+
+def _process_groups_of(groups: list[ParamGroup]) -> list[dist.ProcessGroup]:
+    """The process groups the units communicate on (more than one rank), in a fixed order."""
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for g in groups:
+        info = g.mesh_info
+        candidates = [(info.shard_group, info.shard_size)]
+        if info.replicate_group is not None:
+            candidates.append((info.replicate_group, info.replicate_size))
+        for process_group, size in candidates:
+            if size > 1:
+                found.setdefault(tuple(dist.get_process_group_ranks(process_group)), process_group)
+    return [found[ranks] for ranks in sorted(found)]
+
+
+def _describe_collective(head: list[tuple[str, str, int]], issued: int, index: int) -> str:
+    if index < len(head):
+        op, label, numel = head[index]
+        return f"the {op} of unit {label!r} ({numel} elements)"
+    if index < issued:
+        return "a collective past the first recorded ones"
+    return "nothing more"
+
+
+def _order_mismatch_message(
+    heads: list[tuple[int, int, str, list[tuple[str, str, int]]]], moment: str
+) -> str:
+    """Name the first collective where some rank's sequence differs from the lowest rank's."""
+    heads = sorted(heads, key=lambda item: item[0])
+    ref_rank, ref_count, ref_digest, ref_head = heads[0]
+    for rank, count, digest, head in heads[1:]:
+        if (count, digest) == (ref_count, ref_digest):
+            continue
+        index = next(
+            (i for i, (a, b) in enumerate(zip(ref_head, head, strict=False)) if a != b),
+            min(len(ref_head), len(head)),
+        )
+        return (
+            f"ranks issued different collectives in this step (checked after the {moment}): "
+            f"rank {ref_rank} issued {ref_count} and rank {rank} issued {count}; collective "
+            f"#{index + 1} was {_describe_collective(ref_head, ref_count, index)} on rank "
+            f"{ref_rank} but {_describe_collective(head, count, index)} on rank {rank}. Every rank "
+            "must run the same units in the same order (a unit called on only some ranks, e.g. by data-dependent control flow, "
+            "pairs one rank's data with another unit's), so this step's gradients are not valid: "
+            "do not step the optimizer on them."
+        )
+    raise internal_error("collective digests differ but no rank's sequence does")
 
 
 # ----------------------------------------------------------------------------------- root init

@@ -232,6 +232,114 @@ def test_a_rank_that_skips_a_collective_times_out():
         pool.close()
 
 
+# ------------------------------------------------------- ranks that run different units
+
+
+class _Routed(nn.Module):
+    """Four equal layers; ``route`` picks which of the middle two run (data-dependent flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, route: str = "both") -> torch.Tensor:
+        x = self.layers[0](x)
+        if route in ("both", "first"):
+            x = self.layers[1](x)
+        if route in ("both", "second"):
+            x = self.layers[2](x)
+        return self.layers[3](x)
+
+
+def _routed_model() -> nn.Module:
+    model = _Routed()
+    mesh = mesh_for((2,))
+    for layer in model.layers:
+        fshard.fully_shard(layer, mesh=mesh)
+    return fshard.fully_shard(model, mesh=mesh)
+
+
+def _unit_skipped_on_one_rank():
+    model = _routed_model()
+    model(torch.randn(3, 6), "first" if dist.get_rank() == 0 else "both").sum().backward()
+
+
+def test_a_unit_skipped_on_one_rank_names_the_collective_and_the_cause():
+    pool = RankPool(2, timeout=60, pg_timeout=5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RanksFailed) as info:
+            pool.run(_unit_skipped_on_one_rank)
+        assert time.monotonic() - start < 30
+        assert sorted(info.value.errors) == [0, 1]
+        for rank, exc in info.value.errors.items():
+            assert isinstance(exc, fshard.CollectiveError), (rank, exc)
+            message = str(exc)
+            assert message.startswith(f"[rank {rank}] fshard: the ") and " failed: " in message
+            assert "ran different units" in message and "FSHARD_DEBUG=1" in message
+    finally:
+        pool.close()
+
+
+def _units_swapped_between_ranks():
+    model = _routed_model()
+    model(torch.randn(3, 6), "first" if dist.get_rank() == 0 else "second").sum().backward()
+
+
+def test_units_swapped_between_ranks_fail_the_first_backward():
+    # Same number of equally sized collectives: without the check these pair unit 1's data on
+    # rank 0 with unit 2's on rank 1 and train on wrong gradients without any error.
+    _all_ranks_raise(
+        2,
+        _units_swapped_between_ranks,
+        error=fshard.RankMismatchError,
+        match=lambda m: "collective #2 was the all_gather of unit 'layers.1' (21 elements) on rank 0"
+        in m
+        and "the all_gather of unit 'layers.2' (21 elements) on rank 1" in m
+        and "do not step the optimizer" in m,
+    )
+
+
+def _swap_at_step(swap_step: int, debug: bool):
+    old = os.environ.get("FSHARD_DEBUG")
+    os.environ["FSHARD_DEBUG"] = "1" if debug else "0"
+    try:
+        model = _routed_model()
+        # Without prefetch a swap later on keeps the ranks' collective counts equal: the silent
+        # mis-pairing that only the per-step check catches (with prefetch the counts differ and
+        # the step fails with a CollectiveError at the process group's timeout).
+        fshard.set_prefetch(model, forward=False, backward="NO_PREFETCH")
+        checks = []
+        for step in range(3):
+            route = "first" if dist.get_rank() == 0 and step == swap_step else "both"
+            if step == swap_step and dist.get_rank() == 1:
+                route = "second"
+            with fshard.testing.trace_collectives() as records:
+                model(torch.randn(3, 6), route).sum().backward()
+            checks.append(sum(r.label == "check_collective_order" for r in records))
+        return checks
+    finally:
+        if old is None:
+            del os.environ["FSHARD_DEBUG"]
+        else:
+            os.environ["FSHARD_DEBUG"] = old
+
+
+def test_the_order_is_checked_on_the_first_step_and_every_step_with_fshard_debug():
+    # By default only the first backward pays for the check (one object all-gather).
+    assert get_pool(2).run(_swap_at_step, -1, False) == [[1, 0, 0]] * 2
+    assert get_pool(2).run(_swap_at_step, -1, True) == [[1, 1, 1]] * 2
+    _all_ranks_raise(
+        2,
+        _swap_at_step,
+        2,
+        True,
+        error=fshard.RankMismatchError,
+        match=lambda m: "unit 'layers.1'" in m and "unit 'layers.2'" in m,
+    )
+
+
 @pytest.mark.parametrize(
     "call",
     [
