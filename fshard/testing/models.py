@@ -57,7 +57,11 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class TransformerSpec:
-    """A tiny pre-norm GPT-style language model (tied embeddings optional)."""
+    """A tiny pre-norm GPT-style language model (tied embeddings optional).
+
+    ``checkpoint``: activation checkpointing of each block's attention (``"inside"`` a unit) or of
+    each block (``"around"`` the unit), reentrant or not (``reentrant``).
+    """
 
     vocab: int = 11
     dim: int = 6
@@ -67,6 +71,7 @@ class TransformerSpec:
     mlp_ratio: int = 2
     tie_embeddings: bool = True
     checkpoint: str = "none"  # "none" | "inside" (attention of each block) | "around" (each block)
+    reentrant: bool = False  # checkpoint with use_reentrant=True (torch's older implementation)
     dtype: torch.dtype = torch.float32
     batch_size: int = 2
     seed: int = 0
@@ -138,7 +143,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.checkpoint == "inside":
-            x = x + checkpoint(self.attention, x, use_reentrant=False)
+            x = x + checkpoint(self.attention, x, use_reentrant=self.spec.reentrant)
         else:
             x = x + self.attention(x)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -160,7 +165,7 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             if self.spec.checkpoint == "around":
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=self.spec.reentrant)
             else:
                 x = block(x)
         return self.head(self.norm(x))

@@ -102,11 +102,13 @@ def mlp_specs(
 def transformer_specs(
     *, max_layers: int = 2, dtype: torch.dtype = torch.float32
 ) -> st.SearchStrategy[TransformerSpec]:
-    """Tiny GPT-style specs: odd vocabularies and widths, tied or untied, checkpointed or not."""
+    """Tiny GPT-style specs: odd vocabularies and widths, tied or untied, checkpointed (reentrant
+    or not) or not."""
 
     @st.composite
     def build(draw: st.DrawFn) -> TransformerSpec:
         heads = draw(st.integers(1, 2))
+        checkpoint = draw(st.sampled_from(["none", "inside", "around"]))
         return TransformerSpec(
             vocab=draw(st.integers(3, 13)),
             dim=heads * draw(st.integers(3, 4)),  # LayerNorm over < 3 features has no gradient
@@ -115,7 +117,8 @@ def transformer_specs(
             seq=draw(st.integers(1, 5)),
             mlp_ratio=draw(st.integers(1, 3)),
             tie_embeddings=draw(st.booleans()),
-            checkpoint=draw(st.sampled_from(["none", "inside", "around"])),
+            checkpoint=checkpoint,
+            reentrant=checkpoint != "none" and draw(st.booleans()),
             dtype=dtype,
             batch_size=draw(st.integers(1, 3)),
             seed=draw(st.integers(0, 2**16)),

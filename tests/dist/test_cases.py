@@ -68,6 +68,20 @@ def test_corner_cases_equal_ddp(spec):
     check(spec, world_size=3, steps=2, ddp_kwargs={"find_unused_parameters": True} if unused else None)
 
 
+@pytest.mark.parametrize("where", ["inside", "around"])
+@pytest.mark.parametrize(
+    "mesh_shape, reshard_after_forward", [((3,), True), ((3,), False), ((2, 2), True)], ids=str
+)
+def test_reentrant_checkpointing_equals_ddp(where, mesh_shape, reshard_after_forward):
+    # The recomputation runs inside backward, in a nested backward of its own: units gather again
+    # there and their gradients arrive from the nested pass.
+    spec = TransformerSpec(checkpoint=where, reentrant=True, dim=6, layers=2)
+    world_size = 1
+    for side in mesh_shape:
+        world_size *= side
+    check(spec, world_size=world_size, mesh_shape=mesh_shape, steps=2, reshard_after_forward=reshard_after_forward)
+
+
 @pytest.mark.parametrize("strategy", list(fshard.ShardingStrategy), ids=lambda s: s.name)
 def test_strategies_equal_ddp(strategy):
     assert_equivalent_to_ddp(
