@@ -47,7 +47,7 @@ from fshard._init import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._state_dict import load_state_dict
 from fshard._strategy import ShardingStrategy, parse_strategy, strategy_kwargs
-from fshard._wrap import Policy, auto_shard, by_class, by_size
+from fshard._wrap import Policy, auto_shard, by_class, by_size, checkpoint_forward, select_modules
 
 __all__ = [
     "CONFIG_ENV",
@@ -195,6 +195,7 @@ class FSDPConfig:
     sync_module_states: bool = False
     cpu_ram_efficient_loading: bool = False
     use_orig_params: bool = True
+    activation_checkpointing: bool = False
     mixed_precision: MixedPrecisionName = MixedPrecisionName.NO
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     source: str | None = None  # where it was read from (a path), for messages
@@ -212,7 +213,13 @@ class FSDPConfig:
                 "backward_prefetch",
                 _coerce_enum(owner, "backward_prefetch", BackwardPrefetch, self.backward_prefetch),
             )
-        for name in ("offload_params", "sync_module_states", "cpu_ram_efficient_loading", "use_orig_params"):
+        for name in (
+            "offload_params",
+            "sync_module_states",
+            "cpu_ram_efficient_loading",
+            "use_orig_params",
+            "activation_checkpointing",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         if self.forward_prefetch is not None and not isinstance(self.forward_prefetch, bool):
@@ -499,12 +506,6 @@ def _parse_value(parser: _Parser, canon: str, key: str, value: object) -> Any:
         result = parser.boolean(key, value)
     elif canon == "activation_checkpointing":
         result = parser.boolean(key, value)
-        if result:
-            parser.problems.add(
-                f"{key}: true is not supported by fshard (it would change the module FQNs); wrap "
-                "the blocks' forward in torch.utils.checkpoint in your model instead (fshard units "
-                "work under activation checkpointing)"
-            )
     elif canon == "version":
         result = parser.integer(key, value, 1, 2)
     elif canon == "auto_wrap_policy":
@@ -662,7 +663,6 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
             )
         else:
             values["sharding_strategy"] = implied
-    values.pop("activation_checkpointing", None)
     values.pop("version", None)
 
     policy = values.get("auto_wrap_policy")
@@ -688,6 +688,13 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
     elif policy is not AutoWrapPolicy.SIZE_BASED_WRAP and "min_num_params" in values:
         logger.warning("%s is ignored: fsdp_auto_wrap_policy is %s", keys["min_num_params"], policy.value)
 
+    no_wrap = values.get("auto_wrap_policy", AutoWrapPolicy.NO_WRAP) is AutoWrapPolicy.NO_WRAP
+    if values.get("activation_checkpointing") and no_wrap:
+        parser.problems.add(
+            f"{keys['activation_checkpointing']}: true checkpoints the blocks the wrap policy "
+            "selects, but fsdp_auto_wrap_policy is NO_WRAP; set TRANSFORMER_BASED_WRAP (with "
+            "fsdp_transformer_layer_cls_to_wrap) or SIZE_BASED_WRAP"
+        )
     if values.get("use_orig_params") is False:
         logger.info(
             "%s: false has no effect: fshard always keeps the original parameters (same "
@@ -808,6 +815,9 @@ def from_config(
       and ``reshard_after_forward`` of ``fshard.strategy_kwargs(sharding_strategy)`` (HYBRID:
       one replica per machine), ``mp_policy`` from ``mixed_precision`` and ``CPUOffload()`` if
       ``offload_params``;
+    - with ``activation_checkpointing``, the forward of each block the wrap policy selected is
+      recomputed in backward (non-reentrant ``torch.utils.checkpoint``; the module keeps its
+      class and FQNs, unlike accelerate's ``checkpoint_wrapper``);
     - ``backward_prefetch`` / ``forward_prefetch``, when given, go to ``fshard.set_prefetch``;
     - with ``sync_module_states`` or ``cpu_ram_efficient_loading``, rank 0's weights (as they
       were before sharding) are broadcast to every rank with ``fshard.load_state_dict(...,
@@ -832,6 +842,8 @@ def from_config(
         device_type="cpu" if cfg.launch.use_cpu else None,
     )
     rank0_state = _rank0_state_dict(model) if cfg.syncs_module_states else None
+    # Chosen before sharding: once a block is sharded, its parameters count as owned.
+    recomputed = select_modules(model, policy) if cfg.activation_checkpointing and policy else []
     shard_kwargs: dict[str, Any] = {
         "mesh": kwargs["mesh"],
         "reshard_after_forward": kwargs["reshard_after_forward"],
@@ -842,6 +854,8 @@ def from_config(
         fully_shard(model, **shard_kwargs)
     else:
         auto_shard(model, policy=policy, **shard_kwargs)
+    for fqn in recomputed:
+        checkpoint_forward(model.get_submodule(fqn))
     if cfg.forward_prefetch is not None or cfg.backward_prefetch is not None:
         set_prefetch(model, forward=cfg.forward_prefetch, backward=cfg.backward_prefetch)
     if rank0_state is not None:

@@ -18,6 +18,7 @@ error, because containers have no forward and their unit could never gather.
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable
@@ -25,12 +26,22 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fshard._api import fully_shard
 from fshard._errors import ProblemList
 from fshard._sharded import is_sharded
 
-__all__ = ["ByClass", "BySize", "WrapPolicy", "auto_shard", "by_class", "by_size", "select_modules"]
+__all__ = [
+    "ByClass",
+    "BySize",
+    "WrapPolicy",
+    "auto_shard",
+    "by_class",
+    "by_size",
+    "select_modules",
+    "checkpoint_forward",
+]
 
 logger = logging.getLogger("fshard")
 
@@ -340,3 +351,30 @@ def _selects(policy: Policy, module: nn.Module, unowned_numel: int, fqn: str) ->
             "policy must return True or False"
         )
     return answer
+
+
+# ------------------------------------------------------------------- activation checkpointing
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s forward during backward instead of keeping its activations.
+
+    What accelerate's ``fsdp_activation_checkpointing`` does with torch's ``checkpoint_wrapper``,
+    but without a wrapper module: the forward is run through non-reentrant
+    ``torch.utils.checkpoint.checkpoint``, and the module keeps its class, its FQNs and its
+    ``state_dict()`` keys. When ``module`` is an fshard unit, its hooks gather the parameters
+    before the checkpointed forward, and its backward gathers them again before the
+    recomputation. The instance's ``forward`` attribute is set (a ``functools.partial``, so the
+    module still deep-copies and pickles); a module whose ``forward`` is already set on the
+    instance is an error.
+    """
+    if "forward" in module.__dict__:
+        raise ValueError(
+            f"checkpoint_forward: {type(module).__name__} already has a forward set on the "
+            "instance (checkpointed twice, or patched by other code); leave it out"
+        )
+    module.forward = functools.partial(_checkpointed_forward, module)
+
+
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)

@@ -30,6 +30,8 @@ VOCAB, DIM, SEQ, BATCH = 16, 8, 5, 3
 
 
 class BertLayer(nn.Module):
+    forward_calls = 0  # over all instances: activation checkpointing runs forward twice
+
     def __init__(self) -> None:
         super().__init__()
         self.attn = nn.Linear(DIM, DIM)
@@ -38,6 +40,7 @@ class BertLayer(nn.Module):
         self.out = nn.Linear(2 * DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        BertLayer.forward_calls += 1
         h = x + torch.tanh(self.attn(x))
         return self.norm(h + self.out(F.gelu(self.ff(h))))
 
@@ -151,6 +154,20 @@ def test_guide_sample_strategy_1_with_offload_trains_like_ddp() -> None:
     config = sample("guide", mixed_precision="no")
     expect = Expect(LAYERS, offload=True, forward_prefetch=False)
     check_equivalent(config, expect, per_rank_init=True)
+
+
+def test_activation_checkpointing_recomputes_the_blocks_and_trains_like_ddp() -> None:
+    config = sample("notes", mixed_precision="no")
+    config["fsdp_config"]["fsdp_activation_checkpointing"] = True
+    check_equivalent(config, Expect(LAYERS, forward_prefetch=False))
+    assert get_pool(WORLD).run(_block_forwards_per_step, config) == [(4, list(ToyBert().state_dict()))] * WORLD
+
+
+def _block_forwards_per_step(config: dict[str, Any]) -> tuple[int, list[str]]:
+    model = fshard.from_config(build(), config)
+    BertLayer.forward_calls = 0
+    loss(model, batch(0, dist.get_rank())).backward()
+    return BertLayer.forward_calls, list(fshard.state_dict(model))  # 2 blocks, twice each
 
 
 def test_notes_sample_full_shard_without_offload_trains_like_ddp() -> None:

@@ -290,7 +290,7 @@ BAD_BLOCK_VALUES = [
     ("fsdp_use_orig_params", None, r"fsdp_use_orig_params: None is not valid; expected true or false"),
     ("mixed_precision", "fp32", r"mixed_precision: 'fp32' is not valid; expected one of no, fp16, bf16"),
     ("mixed_precision", "fp8", r"mixed_precision: 'fp8' is not supported by fshard; expected one of no, fp16, bf16"),
-    ("fsdp_activation_checkpointing", True, r"fsdp_activation_checkpointing: true is not supported by fshard"),
+    ("fsdp_activation_checkpointing", "often", r"fsdp_activation_checkpointing: 'often' is not valid; expected true or false"),
     ("fsdp_version", 3, r"fsdp_version: 3 is not valid; expected an integer >= 1 and <= 2"),
     ("fsdp_reshard_after_forward", "sometimes", r"fsdp_reshard_after_forward: 'sometimes' is not valid; expected true, false or a sharding strategy"),
 ]  # fmt: skip
@@ -306,6 +306,15 @@ def test_every_bad_value_is_named(key: str, value: Any, message: str) -> None:
     else:
         whole["fsdp_config"][key] = value
     assert re.search(message, _error(whole))
+
+
+def test_activation_checkpointing_needs_a_wrap_policy() -> None:
+    cfg = fshard.load_config({"fsdp_activation_checkpointing": True, "fsdp_transformer_layer_cls_to_wrap": "BertLayer"})
+    assert cfg.activation_checkpointing and cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    assert not fshard.load_config({}).activation_checkpointing
+    message = _error({"fsdp_activation_checkpointing": True})
+    assert "fsdp_activation_checkpointing: true checkpoints the blocks the wrap policy selects" in message
+    assert "NO_WRAP" in message and "SIZE_BASED_WRAP" in message
 
 
 def test_unknown_block_key_suggests_and_lists_the_valid_ones() -> None:

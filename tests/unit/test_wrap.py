@@ -6,6 +6,7 @@ on random module trees; the class policy and plain callables on hand-built corne
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
 import fshard
-from fshard._wrap import select_modules
+from fshard._wrap import checkpoint_forward, select_modules
 from fshard.testing.models import Block, TinyTransformer, TransformerSpec
 
 
@@ -252,3 +253,37 @@ def test_auto_shard_rejects_unknown_fully_shard_arguments_before_sharding() -> N
 def test_auto_shard_rejects_non_modules() -> None:
     with pytest.raises(TypeError, match=r"auto_shard expects an nn\.Module, got int"):
         fshard.auto_shard(3, policy=fshard.by_size(1))  # type: ignore[type-var]
+
+
+# ------------------------------------------------------------------- activation checkpointing
+
+
+class _Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x)) * scale
+
+
+def test_checkpoint_forward_recomputes_in_backward_and_keeps_the_module() -> None:
+    torch.manual_seed(0)
+    plain = _Counted()
+    recomputed = copy.deepcopy(plain)
+    checkpoint_forward(recomputed)
+    assert type(recomputed) is _Counted
+    assert list(recomputed.state_dict()) == list(plain.state_dict()) == ["lin.weight", "lin.bias"]
+    x = torch.randn(2, 3, requires_grad=True)
+    for module in (plain, recomputed):
+        module(x, scale=2.0).sum().backward()
+    assert (plain.calls, recomputed.calls) == (1, 2)  # forward, then again in backward
+    torch.testing.assert_close(recomputed.lin.weight.grad, plain.lin.weight.grad, rtol=0, atol=0)
+    # A deep copy recomputes its own forward, not the original's.
+    clone = copy.deepcopy(recomputed)
+    clone(x).sum().backward()
+    assert (clone.calls, recomputed.calls) == (4, 2)
+    with pytest.raises(ValueError, match="already has a forward set on the instance"):
+        checkpoint_forward(recomputed)
