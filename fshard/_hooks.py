@@ -12,7 +12,9 @@ it, gives units and parameters their FQNs, moves a parameter shared by several m
 unit of the lowest module that contains all of them (tied embeddings), and checks across ranks,
 with two small object all-gathers, that every rank built the same units with the same
 parameters. Only then can any gradient collective run, so a divergent rank fails with a clear
-error instead of hanging.
+error instead of hanging. The root also starts recording the collectives its units issue, and
+compares them across ranks after the first backward (see [Note: Ranks must issue the same
+collectives] in _collectives).
 """
 
 from __future__ import annotations
