@@ -100,7 +100,9 @@ def _bind(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
         return fn(target, *args)
 
     hook.__name__ = f"fshard_{fn.__name__.lstrip('_')}"
-    return hook
+    # Under torch.compile of a model that contains units, the hooks run eagerly (a graph break
+    # around each): they issue collectives and change parameters, which dynamo cannot trace.
+    return torch.compiler.disable(hook)
 
 
 # ------------------------------------------------------------------------------------ root state

@@ -107,6 +107,34 @@ def test_reduce_scatter_accumulation_equals_ddp(mesh_shape):
     check(GPT, mesh_shape=mesh_shape, steps=2, grad_accum=3, reduce_scatter_accumulation=True)
 
 
+def _shard_and_compile(spec, what, model, mesh, **kwargs):
+    shard_model(spec, model, mesh, **kwargs)
+    # aot_eager traces forward and backward through AOTAutograd like inductor does, without a
+    # C++ compile; the units' hooks run eagerly between the compiled pieces.
+    for module in (model.blocks if what == "blocks" else [model]):
+        module.compile(backend="aot_eager")
+
+
+@pytest.mark.parametrize("what", ["blocks", "whole"])
+@pytest.mark.parametrize("mesh_shape, reshard_after_forward", [((2,), True), ((2, 2), False)], ids=str)
+def test_torch_compile_equals_ddp(what, mesh_shape, reshard_after_forward):
+    spec = TransformerSpec(dim=6, layers=2)
+    world_size = 1
+    for side in mesh_shape:
+        world_size *= side
+    assert_equivalent_to_ddp(
+        functools.partial(build_model, spec),
+        batch_fn=functools.partial(make_batch, spec),
+        loss_fn=functools.partial(compute_loss, spec),
+        shard_fn=functools.partial(
+            _shard_and_compile, spec, what, reshard_after_forward=reshard_after_forward
+        ),
+        world_size=world_size,
+        mesh_shape=mesh_shape,
+        steps=2,
+    )
+
+
 def test_optimizer_built_before_sharding():
     check(GPT, world_size=2, steps=2, optimizer_before_shard=True)
 
