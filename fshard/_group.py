@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -224,6 +224,22 @@ class ParamGroup:
     def num_grad_params(self) -> int:
         """Params of this unit that require grad (cached at each unshard; flags may change)."""
         return self._num_grad_params
+
+    # ------------------------------------------------------------------------- copy and pickle
+
+    def _refuse_copy(self) -> TypeError:
+        return TypeError(
+            f"cannot copy or pickle the fshard unit {self.label}: a sharded module holds this "
+            "rank's shards and the mesh's process groups. Deep-copy or pickle the model before "
+            "fully_shard, or build a new model and load fshard.state_dict(model) (or "
+            "fshard.full_state_dict) into it; torch.save(model.state_dict()) works"
+        )
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ParamGroup:
+        raise self._refuse_copy()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[object, ...]:
+        raise self._refuse_copy()
 
     # ------------------------------------------------------------------------------ unsharding
 

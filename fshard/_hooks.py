@@ -88,6 +88,44 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
         _bind(_pre_forward, group), prepend=True, with_kwargs=True
     )
     module.register_forward_hook(_bind(_post_forward, group), prepend=False, with_kwargs=True)
+    # See [Note: model.state_dict() on a sharded model] in _state_dict.
+    module.register_state_dict_post_hook(_bind_eager(_state_dict_post, group))
+    module.register_load_state_dict_pre_hook(_bind_eager(_load_state_dict_pre, group))
+
+
+def _state_dict_post(
+    group: ParamGroup, module: nn.Module, destination: dict[str, Any], prefix: str, _meta: Any
+) -> None:
+    from fshard._state_dict import on_module_state_dict  # imports this module
+
+    on_module_state_dict(group, module, destination, prefix)
+
+
+def _load_state_dict_pre(
+    group: ParamGroup,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    *_rest: Any,
+) -> None:
+    from fshard._state_dict import on_module_load_state_dict  # imports this module
+
+    on_module_load_state_dict(group, module, state_dict, prefix, local_metadata)
+
+
+def _bind_eager(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
+    """Like ``_bind`` for hooks that never run under torch.compile (state-dict hooks)."""
+    ref = weakref.ref(group)
+
+    def hook(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            return None
+        return fn(target, *args)
+
+    hook.__name__ = f"fshard_{fn.__name__.lstrip('_')}"
+    return hook
 
 
 def _bind(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:

@@ -125,12 +125,30 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _at_offset_zero(local: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``local``, as a tensor whose storage starts where ``local`` does.
+
+    A unit's shards are views into one flat buffer per bucket, so most have a storage offset;
+    ``torch.save`` of a DTensor whose local tensor has one fails in torch ("invalid python
+    storage": the wrapper's data pointer is not 0, so it is pickled as a plain tensor). A slice
+    of the storage aliases the same bytes (and keeps the buffer alive), so DCP still loads in
+    place and nothing is copied.
+    """
+    if local.storage_offset() == 0 or local.is_meta or not local.is_contiguous():
+        return local
+    if local.numel() == 0:
+        return local.new_empty(local.shape)
+    start = local.storage_offset() * local.element_size()
+    storage = local.untyped_storage()[start : start + local.numel() * local.element_size()]
+    return local.new_empty(0).set_(storage, 0, local.shape, local.stride())
+
+
 def _as_dtensor(slot: ParamSlot, local: torch.Tensor) -> DTensor:
     """``local`` (shaped like the slot's shard) as a DTensor with the param's placements."""
     info = slot.mesh_info
     shape = slot.layout.full_shape
     return DTensor.from_local(
-        local,
+        _at_offset_zero(local),
         info.mesh,
         info.placements(slot.layout.replicated),
         run_check=False,
@@ -297,6 +315,87 @@ def layout_of(model: nn.Module) -> Layout:
                 placements=tuple("R" for _ in mesh_shape),
             )
     return Layout(mesh_shape, entries)
+
+
+# ----------------------------------------------------------- nn.Module.state_dict() integration
+
+# [Note: model.state_dict() on a sharded model]
+# A unit's parameters hold plain local shards (no DTensor dispatch on the hot path), so without
+# help `model.state_dict()` would return bare shards: `torch.save(model.state_dict())` on one rank
+# would silently write a fraction of the model, and `model.load_state_dict(full_sd)` would fail
+# on every shape. So each unit hooks its module's state_dict() to give the same DTensors as
+# `fshard.state_dict` (sharing storage, no communication), and its load_state_dict() to take this
+# rank's shard of a DTensor (any mesh) or of a full tensor. The hooks act on the unit's own
+# parameters only; nested units hook their own modules.
+
+
+def _keys_of(group: ParamGroup, module: nn.Module, prefix: str) -> list[tuple[str, ParamSlot]]:
+    """The state-dict keys, under ``module`` and ``prefix``, of the unit's sharded params."""
+    paths: dict[int, list[str]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), []).append(f"{path}." if path else "")
+    keys = []
+    for slot in group.slots:
+        for owner, name in slot.registrations:
+            for path in paths.get(id(owner), ()):
+                keys.append((f"{prefix}{path}{name}", slot))
+    return keys
+
+
+def on_module_state_dict(
+    group: ParamGroup, module: nn.Module, destination: dict[str, Any], prefix: str
+) -> None:
+    """``module.state_dict()`` post-hook: the unit's shards become DTensors (see the Note)."""
+    if group.sharded_state is not ShardedState.SHARDED:
+        return  # gathered right now (fshard.unshard): the entries are the full parameters
+    made: dict[int, DTensor] = {}
+    for key, slot in _keys_of(group, module, prefix):
+        value = destination.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, (nn.Parameter, DTensor)):
+            continue  # keep_vars=True gives the parameters themselves; leave those alone
+        dtensor = made.get(id(slot))
+        if dtensor is None:
+            dtensor = made[id(slot)] = _as_dtensor(slot, value)
+        destination[key] = dtensor
+
+
+def on_module_load_state_dict(
+    group: ParamGroup,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+) -> None:
+    """``module.load_state_dict()`` pre-hook: replace the unit's entries by this rank's shard.
+
+    DTensors (any mesh) and full-shaped tensors become local shards; any other tensor is left
+    for ``nn.Module`` to check (a local-shard-shaped tensor loads as it is). ``state_dict`` is
+    ``load_state_dict``'s own copy of the caller's dict.
+    """
+    where = f"{type(module).__name__}.load_state_dict"
+    keys = [(key, slot) for key, slot in _keys_of(group, module, prefix) if key in state_dict]
+    if not keys:
+        return
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError(
+            f"{where}(assign=True) would replace fshard's sharded parameters "
+            f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
+            "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
+        )
+    if group.sharded_state is not ShardedState.SHARDED:
+        if group.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"{where}: unit {group.label} is in {group.training_state.value}; load state "
+                "dicts between training steps, not during forward or backward"
+            )
+        # Writes must reach the shards; the unit gathers again on its next use.
+        group.reshard()
+    for key, slot in keys:
+        value = state_dict[key]
+        if isinstance(value, DTensor):
+            state_dict[key] = _shard_of(value, slot)
+        elif isinstance(value, torch.Tensor) and value.shape == slot.layout.full_shape:
+            state_dict[key] = _local_rows(value, slot)
 
 
 # ------------------------------------------------------------------------------ state dicts

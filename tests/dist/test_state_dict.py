@@ -271,12 +271,75 @@ def _layout_task(mesh_shape):
     return pickle.dumps(layout), coord, local
 
 
+def _module_state_dict_task(mesh_shape):
+    """``model.state_dict()`` and ``model.load_state_dict()`` on a sharded model."""
+    import copy
+    import io
+
+    want = C.build(seed=11).state_dict()
+    model = C.build_sharded(mesh_shape)
+    sd = model.state_dict()
+    ours = fshard.state_dict(model)
+    assert list(sd) == list(ours) == list(C.build().state_dict())
+    for key, value in ours.items():
+        if isinstance(value, DTensor):
+            got = sd[key]
+            assert isinstance(got, DTensor) and got.placements == value.placements, key
+            assert got.to_local().data_ptr() == value.to_local().data_ptr(), f"{key} is a copy"
+        else:
+            assert torch.equal(sd[key], value), key
+    assert sd["embed.weight"] is sd["head.weight"]  # tied: one DTensor under both keys
+    # A unit's own state_dict() has its relative keys, also as DTensors.
+    block = model.blocks[0].state_dict()
+    assert set(block) == set(C.build().blocks[0].state_dict()) and all(isinstance(v, DTensor) for v in block.values())
+    # torch.save / torch.load(weights_only=True) round trip, then load it back into the model.
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    # A full state dict from the unsharded model loads on every rank (each keeps its rows), also
+    # into a unit that is gathered right now.
+    fshard.unshard(model.blocks[1])
+    result = model.load_state_dict(want)
+    assert not result.missing_keys and not result.unexpected_keys
+    C.assert_same_tensors(fshard.full_state_dict(model, rank0_only=False), want, what="full load")
+    # ... and the sharded one saved above brings the first weights back.
+    model.load_state_dict(saved)
+    C.assert_same_tensors(fshard.full_state_dict(model, rank0_only=False), C.build().state_dict(), what="sharded load")
+    # A DTensor state dict from another mesh loads too (gathered, then this rank's rows).
+    other = C.build_sharded((dist.get_world_size(),), seed=11)
+    model.load_state_dict(other.state_dict())
+    C.assert_same_tensors(fshard.full_state_dict(model, rank0_only=False), want, what="other mesh")
+    errors = []
+    try:
+        model.load_state_dict(want, assign=True)
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        copy.deepcopy(model)
+    except TypeError as exc:
+        errors.append(str(exc))
+    return errors
+
+
 # ------------------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_state_dict_is_dtensors_under_the_unsharded_keys(mesh_shape):
     assert all(get_pool(4).run(_state_dict_task, mesh_shape))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_module_state_dict_is_the_sharded_state_dict_and_loads_full_or_sharded(mesh_shape):
+    world = 1
+    for side in mesh_shape:
+        world *= side
+    for assign_error, copy_error in get_pool(world).run(_module_state_dict_task, mesh_shape):
+        assert "load_state_dict(assign=True) would replace fshard's sharded parameters" in assign_error
+        assert "fshard.materialize(model)" in assign_error
+        assert copy_error.startswith("cannot copy or pickle the fshard unit")
+        assert "before fully_shard" in copy_error
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
