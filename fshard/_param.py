@@ -253,14 +253,19 @@ class FlatBucket:
             return
         size = self.mesh_info.shard_size
         if self._unsharded is None:
-            self._unsharded = torch.empty(
-                size * self.total, dtype=self.compute_dtype, device=self.compute_device
-            )
+            # Never inference tensors, even when the first gather runs under
+            # torch.inference_mode(): training reuses this storage and autograd saves its views.
+            with torch.inference_mode(False):
+                self._unsharded = torch.empty(
+                    size * self.total, dtype=self.compute_dtype, device=self.compute_device
+                )
+                for slot, offset, numel in zip(
+                    self.slots, self.offsets[:-1], self.slot_numels, strict=True
+                ):
+                    buffer = self._unsharded[size * offset : size * (offset + numel)]
+                    self._build_unsharded(slot, buffer)
+                    self._copy_out_views.append(buffer.view(size, numel))
             GATHERED.add(self._unsharded.numel() * self._unsharded.element_size())
-            for slot, offset, numel in zip(self.slots, self.offsets[:-1], self.slot_numels, strict=True):
-                buffer = self._unsharded[size * offset : size * (offset + numel)]
-                self._build_unsharded(slot, buffer)
-                self._copy_out_views.append(buffer.view(size, numel))
             return
         storage = self._unsharded.untyped_storage()
         nbytes = self._unsharded.numel() * self._unsharded.element_size()

@@ -229,6 +229,47 @@ def _clip_worker(norm_type, mesh_shape):
     return float(got), float(want), grads, {n: q.grad for n, q in ref.named_parameters()}
 
 
+def _inference_mode_between_steps(mesh_shape, kwargs):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for(mesh_shape)
+    for layer in (model[0], model[2]):
+        fshard.fully_shard(layer, mesh=mesh, **kwargs)
+    fshard.fully_shard(model, mesh=mesh, **kwargs)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, model)]
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        # Evaluation first: the very first gather happens under inference mode.
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), ddp.module(x), rtol=1e-5, atol=1e-6)
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+    return True
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, kwargs",
+    [((2,), {}), ((2, 2), {"reshard_after_forward": False}), ((2,), {"offload_policy": fshard.CPUOffload()})],
+    ids=["1d", "2d-zero2", "offload"],
+)
+def test_inference_mode_before_and_between_steps(mesh_shape, kwargs):
+    world_size = 1
+    for side in mesh_shape:
+        world_size *= side
+    assert all(get_pool(world_size).run(_inference_mode_between_steps, mesh_shape, kwargs))
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
 def test_clip_grad_norm_matches_torch(norm_type, mesh_shape):
