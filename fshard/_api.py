@@ -385,7 +385,9 @@ def clip_grad_norm_(
 
     Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (``inf`` norm included).
     Every rank of the mesh must call it (it all-reduces one scalar per mesh). Returns the total
-    norm as a tensor.
+    norm as a tensor. Use it instead of ``torch.nn.utils.clip_grad_norm_``: a sharded parameter's
+    ``.grad`` is this rank's plain shard (so the optimizer runs without tensor-subclass
+    dispatch), and torch's function would clip each rank by the norm of its own shards only.
 
     Example:
         >>> loss.backward()                                                  # doctest: +SKIP
