@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
 from fshard._errors import ProblemList
@@ -108,6 +109,8 @@ def fully_shard(
     ignored = {id(p) for p in (ignored_params or ())}
 
     problems = ProblemList(where)
+    problems.extend(_foreign_wrappers(module))
+    problems.raise_if_any(ValueError)
     managed: list[tuple[str, nn.Parameter]] = []
     inner_units = {id(g) for g in units_under(module)}
     for name, param in module.named_parameters():
@@ -123,6 +126,13 @@ def fully_shard(
                         "first, then the root"
                     )
                 # Otherwise it is shared with a sibling unit: root init places it.
+            continue
+        if isinstance(param, DTensor):
+            problems.add(
+                f"parameter {name!r} is already a DTensor (distributed by torch's FSDP2 or "
+                "tensor parallelism); fshard shards plain parameters: apply fshard to the "
+                "module before any other parallelism, or pass it in ignored_params"
+            )
             continue
         if type(param) is not nn.Parameter:
             problems.add(
@@ -172,6 +182,27 @@ def fully_shard(
         slot.registrations = sites.get(id(slot.sharded_param), [])
     register_unit(module, group)
     return module
+
+
+def _foreign_wrappers(module: nn.Module) -> list[str]:
+    """Other data-parallel wrappers in ``module``'s tree: their hooks would fight fshard's."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    problems = []
+    for name, sub in module.named_modules():
+        where = f"module {name!r}" if name else "the module"
+        if isinstance(sub, DistributedDataParallel):
+            problems.append(
+                f"{where} is a DistributedDataParallel wrapper; fshard replaces DDP: call "
+                "fully_shard on the module it wraps (its .module) and drop the wrapper"
+            )
+        elif isinstance(sub, (FSDPModule, FullyShardedDataParallel)):
+            problems.append(
+                f"{where} is already sharded by torch's FSDP ({type(sub).__name__}); shard a "
+                "model with one of the two, not both"
+            )
+    return problems
 
 
 def device_problem(

@@ -74,6 +74,35 @@ def test_top_down_order_is_an_error():
     _all_ranks_raise(2, _top_down, match=lambda m: "bottom-up" in m and "'weight'" in m)
 
 
+def _other_parallelism(kind):
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = mesh_for((2,))
+    model = _mlp()
+    if kind == "ddp":
+        model = nn.Sequential(DDP(model))
+    elif kind == "fsdp2":
+        fsdp2_fully_shard(model[0], mesh=mesh)
+    elif kind == "dtensor":
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.detach(), mesh, [Shard(0)]))
+    fshard.fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("ddp", "module '0' is a DistributedDataParallel wrapper; fshard replaces DDP"),
+        ("fsdp2", "module '0' is already sharded by torch's FSDP"),
+        ("dtensor", "parameter '2.weight' is already a DTensor"),
+    ],
+)
+def test_modules_under_other_parallelism_are_named(kind, expected):
+    _all_ranks_raise(2, _other_parallelism, kind, match=lambda m: expected in m)
+
+
 def test_parameter_on_another_device_is_named():
     assert device_problem("w", torch.device("cpu"), torch.device("cpu"), offload=False) is None
     assert device_problem("w", torch.device("meta"), torch.device("cuda", 0), offload=False) is None
