@@ -80,3 +80,41 @@ def test_fshard_checkpoint_loads_into_fsdp2(tmp_path, mesh_shape):
 @pytest.mark.parametrize(("save_mesh", "load_mesh"), [((4,), (4,)), ((2, 2), (4,))])
 def test_fsdp2_checkpoint_loads_into_fshard(tmp_path, save_mesh, load_mesh):
     assert all(get_pool(4).run(_fsdp2_to_fshard_task, str(tmp_path / "ckpt"), save_mesh, load_mesh))
+
+
+# ------------------------------------------- torch.distributed.checkpoint.state_dict helpers
+
+
+def _dcp_state_dict_api_task(mesh_shape):
+    """``get_model_state_dict`` / ``set_model_state_dict``, which HF, accelerate and torchtitan
+    call, work on an fshard model through ``model.state_dict()`` / ``load_state_dict()``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model = C.build_sharded(mesh_shape)
+    sharded = get_model_state_dict(model)
+    ours = fshard.state_dict(model)
+    assert list(sharded) == list(ours)
+    for key, value in ours.items():
+        if isinstance(value, DTensor):
+            assert isinstance(sharded[key], DTensor) and sharded[key].placements == value.placements, key
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    want = C.build().state_dict()
+    if dist.get_rank() == 0:
+        C.assert_same_tensors(full, want, what="full")
+    other = C.build(seed=5).state_dict()
+    set_model_state_dict(model, other, options=StateDictOptions(full_state_dict=True))
+    C.assert_same_tensors(C.full_params(model), C.build(seed=5).state_dict(), what="set full")
+    source = want if dist.get_rank() == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, source, options=options)
+    C.assert_same_tensors(C.full_params(model), C.build().state_dict(), what="broadcast")
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_torch_state_dict_helpers_work_on_fshard_models(mesh_shape):
+    assert all(get_pool(4).run(_dcp_state_dict_api_task, mesh_shape))
