@@ -108,6 +108,12 @@ def fully_shard(
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
     ignored = {id(p) for p in (ignored_params or ())}
 
+    if type(module).forward is nn.Module.forward:  # ModuleList, ModuleDict: never called
+        raise ValueError(
+            f"{where}: a {type(module).__name__} has no forward, so its unit would never be "
+            "gathered before its modules run; call fully_shard on each module inside it "
+            "(for block in model.blocks: fshard.fully_shard(block, ...))"
+        )
     problems = ProblemList(where)
     problems.extend(_foreign_wrappers(module))
     problems.raise_if_any(ValueError)

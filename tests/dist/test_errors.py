@@ -103,6 +103,20 @@ def test_modules_under_other_parallelism_are_named(kind, expected):
     _all_ranks_raise(2, _other_parallelism, kind, match=lambda m: expected in m)
 
 
+def _container_unit():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.extra = nn.ModuleList([nn.Linear(4, 4)])
+    fshard.fully_shard(model.extra, mesh=mesh_for((2,)))
+
+
+def test_a_container_without_forward_is_not_a_unit():
+    _all_ranks_raise(
+        2,
+        _container_unit,
+        match=lambda m: "a ModuleList has no forward" in m and "call fully_shard on each module inside it" in m,
+    )
+
+
 def test_parameter_on_another_device_is_named():
     assert device_problem("w", torch.device("cpu"), torch.device("cpu"), offload=False) is None
     assert device_problem("w", torch.device("meta"), torch.device("cuda", 0), offload=False) is None
