@@ -78,6 +78,11 @@ class PendingReduce:
         self.work = work
         self.post_divide = post_divide
 
+    def discard(self) -> None:
+        """Wait for the reduce-scatter (peers issued it too) and drop its result."""
+        _collectives.wait(self.work, op="reduce_scatter", label=self.group.trace_name)
+        self.work = None
+
     def finish(self) -> PendingAllReduce | None:
         """Wait for the reduce-scatter; return the cross-replica all-reduce it issued, if any."""
         with phase(f"fshard::finish_reduce({self.group.trace_name})"):
@@ -98,6 +103,10 @@ class PendingAllReduce:
         self.reduced = reduced
         self.work = work
         self.label = label
+
+    def discard(self) -> None:
+        _collectives.wait(self.work, op="all_reduce", label=self.label)
+        self.work = None
 
     def finish(self) -> None:
         _collectives.wait(self.work, op="all_reduce", label=self.label)

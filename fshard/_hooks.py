@@ -170,6 +170,8 @@ class RootState:
     # Order and prefetch -----------------------------------------------------------------------
 
     def on_root_pre_forward(self) -> None:
+        if self._callback_queued and not in_backward():
+            self._recover_from_aborted_backward()
         self.finish_reduces()
         if torch.is_grad_enabled():
             self._grad_forward_pending = True
@@ -258,6 +260,32 @@ class RootState:
             self._grad_forward_pending = False
             if self._checking:
                 self.check_collective_order("backward")
+
+    def _recover_from_aborted_backward(self) -> None:
+        """The last backward raised before its final callback ran: start clean.
+
+        Reductions still in flight are waited for (peers that failed at the same point issued
+        them too) and their results dropped, as are the half-accumulated full gradients, and
+        every unit is freed, so the next step is not polluted by the failed one (results that
+        landed before the error are in the sharded grads; ``optimizer.zero_grad()`` clears them).
+        """
+        logger.warning(
+            "fshard: the previous backward of %s did not finish (it raised); freeing its units "
+            "and dropping its partial gradients",
+            self.root.label,
+        )
+        self._callback_queued = False
+        self._grad_forward_pending = False
+        pending, self._pending_reduces = self._pending_reduces, []
+        for item in pending:
+            item.discard()
+        for group in self.groups:
+            for slot in group.slots:
+                if slot.unsharded_param is not None:
+                    slot.unsharded_param.grad = None
+            group.reshard()
+            group.reset_backward()
+            group.training_state = TrainingState.IDLE
 
     # Order checks -----------------------------------------------------------------------------
 

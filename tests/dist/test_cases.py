@@ -270,6 +270,75 @@ def test_inference_mode_before_and_between_steps(mesh_shape, kwargs):
     assert all(get_pool(world_size).run(_inference_mode_between_steps, mesh_shape, kwargs))
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time it is armed (a failing custom op)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("backward failed on purpose")
+        return grad
+
+
+class _FailingLayer(nn.Module):
+    def forward(self, x):
+        return _FailOnce.apply(x)
+
+
+def _recovers_from_failed_passes(mesh_shape):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), _FailingLayer(), nn.Linear(5, 6), nn.Linear(6, 6))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for(mesh_shape)
+    for index in (0, 3, 4):
+        fshard.fully_shard(model[index], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, model)]
+    torch.manual_seed(1 + dist.get_rank())
+    failures = []
+    for step in range(3):
+        x = torch.randn(4, 6)
+        if step == 1:  # a forward and a backward that raise, on every rank, then go on training
+            try:
+                model(torch.randn(4, 7))
+            except RuntimeError as exc:
+                failures.append("forward" if "shapes cannot be multiplied" in str(exc) else str(exc))
+            _FailOnce.armed = True
+            try:
+                model(x).pow(2).sum().backward()
+            except RuntimeError as exc:
+                failures.append("backward" if "failed on purpose" in str(exc) else str(exc))
+            optims[1].zero_grad()
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+    return failures, fshard.memory_stats().gathered_bytes
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_training_goes_on_after_a_forward_or_backward_raised(mesh_shape):
+    world_size = 1
+    for side in mesh_shape:
+        world_size *= side
+    results = get_pool(world_size).run(_recovers_from_failed_passes, mesh_shape)
+    assert results == [(["forward", "backward"], 0)] * world_size
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
 def test_clip_grad_norm_matches_torch(norm_type, mesh_shape):
