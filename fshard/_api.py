@@ -108,7 +108,7 @@ def fully_shard(
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
     ignored = {id(p) for p in (ignored_params or ())}
 
-    if type(module).forward is nn.Module.forward:  # ModuleList, ModuleDict: never called
+    if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
         raise ValueError(
             f"{where}: a {type(module).__name__} has no forward, so its unit would never be "
             "gathered before its modules run; call fully_shard on each module inside it "
@@ -188,6 +188,10 @@ def fully_shard(
         slot.registrations = sites.get(id(slot.sharded_param), [])
     register_unit(module, group)
     return module
+
+
+# Containers have no forward: code reaches their contents through the parent's forward.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _foreign_wrappers(module: nn.Module) -> list[str]:

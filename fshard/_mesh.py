@@ -74,6 +74,15 @@ def mesh_info(mesh: object, where: str) -> MeshInfo:
             f"{where}: mesh must be 1D (shard) or 2D (replicate, shard), got a {mesh.ndim}D mesh "
             f"of shape {tuple(mesh.shape)}; flatten the data-parallel dimensions into one or two"
         )
+    dim_names = tuple(mesh.mesh_dim_names or ())
+    names = tuple(n.lower() for n in dim_names)
+    if len(names) == 2 and "shard" in names[0] and "replicate" in names[1]:
+        raise ValueError(
+            f"{where}: the mesh's dimensions are named {dim_names}, but a 2D mesh is read as "
+            "(replicate, shard) by position; build it as init_device_mesh(device, "
+            f"({mesh.size(1)}, {mesh.size(0)}), mesh_dim_names=({dim_names[1]!r}, "
+            f"{dim_names[0]!r}))"
+        )
     if mesh.get_coordinate() is None:
         raise ValueError(f"{where}: this rank ({dist.get_rank()}) is not part of mesh {mesh}")
     shard_dim = mesh.ndim - 1

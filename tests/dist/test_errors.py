@@ -43,6 +43,22 @@ def test_mesh_must_be_1d_or_2d():
     _all_ranks_raise(4, _three_d_mesh, match=lambda m: "1D (shard) or 2D (replicate, shard)" in m and "3D" in m)
 
 
+def _swapped_dim_names():
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("shard", "replicate"))
+    fshard.fully_shard(_mlp(), mesh=mesh)
+
+
+def test_a_mesh_named_shard_then_replicate_is_an_error():
+    # Read by position it would shard over 4 and replicate over 1: the opposite of the names.
+    _all_ranks_raise(
+        4,
+        _swapped_dim_names,
+        match=lambda m: "named ('shard', 'replicate')" in m
+        and "mesh_dim_names=('replicate', 'shard')" in m
+        and "(4, 1)" in m,
+    )
+
+
 def test_wrong_argument_types_are_named():
     with pytest.raises(TypeError, match="DeviceMesh"):
         fshard.fully_shard(_mlp(), mesh="cpu")  # type: ignore[arg-type]
