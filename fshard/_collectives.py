@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fshard._errors import CollectiveError, rank_prefix
+from fshard._errors import CollectiveError, collective_error, rank_prefix
 from fshard._profiling import phase
 
 __all__ = [
@@ -134,9 +134,8 @@ def _failure_context(op: str, label: str) -> Iterator[None]:
         raise
     except RuntimeError as exc:  # DistBackendError and gloo/NCCL timeouts are RuntimeErrors
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CollectiveError(
-            f"{rank_prefix()}fshard: the {op} of {label!r} failed: {first_line}\n{_HINT}"
-        ) from exc
+        message = f"{rank_prefix()}fshard: the {op} of {label!r} failed: {first_line}\n{_HINT}"
+        raise collective_error(message, exc) from exc
 
 
 def wait(work: dist.Work | None, *, op: str, label: str) -> None:

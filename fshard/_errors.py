@@ -11,7 +11,14 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-__all__ = ["RankMismatchError", "CollectiveError", "ProblemList", "internal_error", "rank_prefix"]
+__all__ = [
+    "RankMismatchError",
+    "CollectiveError",
+    "collective_error",
+    "ProblemList",
+    "internal_error",
+    "rank_prefix",
+]
 
 
 class RankMismatchError(ValueError):
@@ -38,6 +45,33 @@ class CollectiveError(RuntimeError):
         >>> loss.backward()  # rank 1 skipped unit 'layers.1' in its forward  # doctest: +SKIP
         CollectiveError: [rank 0] fshard: the all_gather of 'layers.1' failed: ... Timed out ...
     """
+
+
+# The same error, also an instance of the torch error it wraps, so that handlers written for
+# torch's distributed errors (``except dist.DistBackendError``) keep working. Module-level (not
+# made on the fly) so that they pickle.
+class _CollectiveBackendError(CollectiveError, dist.DistBackendError):
+    pass
+
+
+class _CollectiveNetworkError(CollectiveError, dist.DistNetworkError):
+    pass
+
+
+class _CollectiveStoreError(CollectiveError, dist.DistStoreError):
+    pass
+
+
+def collective_error(message: str, cause: BaseException) -> CollectiveError:
+    """A ``CollectiveError`` that is also an instance of ``cause``'s torch error class."""
+    for torch_type, ours in (
+        (dist.DistBackendError, _CollectiveBackendError),
+        (dist.DistNetworkError, _CollectiveNetworkError),
+        (dist.DistStoreError, _CollectiveStoreError),
+    ):
+        if isinstance(cause, torch_type):
+            return ours(message)
+    return CollectiveError(message)
 
 
 def rank_prefix() -> str:

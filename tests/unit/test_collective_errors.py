@@ -1,0 +1,50 @@
+"""Failed collectives become ``fshard.CollectiveError`` naming the unit, without processes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch.distributed as dist
+
+import fshard
+from fshard import _collectives
+
+
+class _FailingWork:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def wait(self) -> bool:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "cause, torch_type",
+    [
+        (dist.DistBackendError("NCCL watchdog timeout"), dist.DistBackendError),
+        (dist.DistNetworkError("connection reset"), dist.DistNetworkError),
+        (dist.DistStoreError("store timeout"), dist.DistStoreError),
+        (RuntimeError("[gloo] Timed out waiting 5000ms for recv"), RuntimeError),
+    ],
+    ids=["backend", "network", "store", "plain"],
+)
+def test_a_failed_wait_names_the_unit_and_keeps_the_torch_type(cause, torch_type):
+    with pytest.raises(fshard.CollectiveError) as info:
+        _collectives.wait(_FailingWork(cause), op="reduce_scatter", label="blocks.3")  # type: ignore[arg-type]
+    error = info.value
+    assert isinstance(error, torch_type)  # handlers written for torch's errors still catch it
+    assert error.__cause__ is cause
+    message = str(error)
+    assert message.startswith("fshard: the reduce_scatter of 'blocks.3' failed: ")
+    assert str(cause).splitlines()[0] in message
+    assert "ran different units" in message and "FSHARD_DEBUG=1" in message
+    again = pickle.loads(pickle.dumps(error))  # crosses process boundaries (the rank pool)
+    assert type(again) is type(error) and str(again) == message
+
+
+def test_no_work_means_nothing_to_wait_for_and_other_errors_pass_through():
+    _collectives.wait(None, op="all_gather", label="x")
+    with pytest.raises(ValueError, match="not a collective failure"):
+        with _collectives._failure_context("all_gather", "x"):
+            raise ValueError("not a collective failure")
