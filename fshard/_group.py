@@ -370,6 +370,11 @@ class ParamGroup:
         if grads_done and self._inputs_ready >= self._input_waiters:
             self.reshard()
 
+    def has_unreduced_grads(self) -> bool:
+        """Gradients that no ``.grad`` shows yet: full ones kept under ``no_sync``, or (2D mesh,
+        sharded accumulation) shard-group sums waiting for the cross-replica all-reduce."""
+        return self.has_unsharded_grads() or bool(self._partials)
+
     def has_unsharded_grads(self) -> bool:
         return any(
             s.unsharded_param is not None and s.unsharded_param.grad is not None for s in self.slots

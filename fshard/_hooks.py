@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, internal_error
@@ -82,8 +84,46 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# Units whose last backward ran without gradient sync and kept its full gradients unreduced.
+_UNSYNCED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []  # the process-wide optimizer pre-step hook, once registered
+
+
+def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any) -> None:
+    """Global ``optimizer.step()`` pre-hook: warn when the step would miss unreduced gradients.
+
+    Under ``no_sync`` / ``set_requires_gradient_sync(False)`` a unit keeps full gradients that
+    only the next synchronised backward reduces into the shards' ``.grad``. Stepping before that
+    (the last micro-batch ran without sync) silently ignores them. The check costs one
+    truth test per step unless such units exist.
+    """
+    if not _UNSYNCED:
+        return
+    pending = [g for g in list(_UNSYNCED) if g.has_unreduced_grads()]
+    for group in list(_UNSYNCED):
+        if group not in pending:
+            _UNSYNCED.discard(group)
+    if not pending:
+        return
+    stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
+    missed = [g for g in pending if any(id(s.sharded_param) in stepped for s in g.slots)]
+    if missed:
+        names = ", ".join(g.label for g in missed[:3]) + (" ..." if len(missed) > 3 else "")
+        warnings.warn(
+            f"optimizer.step() runs while fshard unit(s) {names} hold gradients accumulated "
+            "without sync (no_sync / set_requires_gradient_sync(False)) that were never reduced: "
+            "this step does not see them. Run the last micro-batch's backward with gradient sync "
+            "on, then step.",
+            stacklevel=3,
+        )
+
+
 def register_unit(module: nn.Module, group: ParamGroup) -> None:
     module.__dict__[_UNIT_ATTR] = group
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(
+            register_optimizer_step_pre_hook(_check_step_sees_reduced_grads)
+        )
     module.register_forward_pre_hook(
         _bind(_pre_forward, group), prepend=True, with_kwargs=True
     )
@@ -254,6 +294,10 @@ class RootState:
             self.finish_reduces()
             for group in self.groups:
                 group.flush_partials()
+                if group.requires_gradient_sync:
+                    _UNSYNCED.discard(group)
+                elif group.has_unreduced_grads():
+                    _UNSYNCED.add(group)
                 group.reshard()
                 group.reset_backward()
                 group.training_state = TrainingState.IDLE

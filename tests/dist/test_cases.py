@@ -339,6 +339,49 @@ def test_training_goes_on_after_a_forward_or_backward_raised(mesh_shape):
     assert results == [(["forward", "backward"], 0)] * world_size
 
 
+def _step_after_unsynced_backward(mesh_shape, reduce_scatter):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6))
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    seen = []
+    for last_synced in (True, False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fshard.no_sync(model, reduce_scatter=reduce_scatter):
+                model(x).sum().backward()
+            if last_synced:
+                model(x).sum().backward()
+            else:
+                with fshard.no_sync(model, reduce_scatter=reduce_scatter):
+                    model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        seen.append([str(w.message) for w in caught if "without sync" in str(w.message)])
+    return seen
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, reduce_scatter", [((2,), False), ((2, 2), False), ((2, 2), True)], ids=str
+)
+def test_stepping_on_unreduced_gradients_warns(mesh_shape, reduce_scatter):
+    world_size = 1
+    for side in mesh_shape:
+        world_size *= side
+    for synced, unsynced, synced_again in get_pool(world_size).run(
+        _step_after_unsynced_backward, mesh_shape, reduce_scatter
+    ):
+        assert synced == [] and synced_again == []
+        assert len(unsynced) == 1
+        assert "hold gradients accumulated without sync" in unsynced[0]
+        assert "Run the last micro-batch's backward with gradient sync on" in unsynced[0]
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
 def test_clip_grad_norm_matches_torch(norm_type, mesh_shape):
