@@ -89,6 +89,53 @@ _UNSYNCED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 _STEP_HOOK: list[Any] = []  # the process-wide optimizer pre-step hook, once registered
 
 
+_CHECKED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_UNSHARDED_AT: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_UNITS_MADE = [0]  # units made in this process so far
+
+
+def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    """Process-wide ``optimizer.step()`` pre-hook (registered with the first unit)."""
+    if optimizer not in _CHECKED_OPTIMIZERS and _UNSHARDED_AT.get(optimizer) != _UNITS_MADE[0]:
+        if _check_state_is_sharded(optimizer):
+            _CHECKED_OPTIMIZERS.add(optimizer)  # checked once it has sharded parameters
+        else:  # look again only after new units were made (its params may be sharded then)
+            _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
+    _check_step_sees_reduced_grads(optimizer, *args)
+
+
+def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """First step with sharded parameters: none may carry full-size state (returns whether
+    the optimizer has sharded parameters at all).
+
+    An optimizer stepped *before* ``fully_shard`` holds state shaped like the full parameter;
+    torch would fail deep inside the update with a shape mismatch, or, for an optimizer that
+    broadcasts, update the shard with the wrong rows.
+    """
+    wrong = []
+    sharded = False
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            slot = getattr(param, "_fshard_slot", None)
+            sharded = sharded or slot is not None
+            if slot is None or param not in optimizer.state:
+                continue
+            full, local = slot.layout.full_shape, slot.layout.local_shape
+            for key, value in optimizer.state[param].items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape == full != local:
+                    wrong.append(f"{slot.fqn!r} ({key} {list(value.shape)})")
+                    break
+    if wrong:
+        shown = ", ".join(wrong[:3]) + (" ..." if len(wrong) > 3 else "")
+        raise ValueError(
+            f"optimizer state of sharded parameter(s) {shown} has the full parameter's shape: "
+            "the optimizer was stepped before fully_shard. Build the optimizer after sharding "
+            "(or before, but step it only after), or move its state with "
+            "fshard.optim_state_dict / fshard.load_optim_state_dict."
+        )
+    return sharded
+
+
 def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any) -> None:
     """Global ``optimizer.step()`` pre-hook: warn when the step would miss unreduced gradients.
 
@@ -120,9 +167,10 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
 
 def register_unit(module: nn.Module, group: ParamGroup) -> None:
     module.__dict__[_UNIT_ATTR] = group
+    _UNITS_MADE[0] += 1
     if not _STEP_HOOK:
         _STEP_HOOK.append(
-            register_optimizer_step_pre_hook(_check_step_sees_reduced_grads)
+            register_optimizer_step_pre_hook(_check_optimizer_step)
         )
     module.register_forward_pre_hook(
         _bind(_pre_forward, group), prepend=True, with_kwargs=True

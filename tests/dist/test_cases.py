@@ -139,6 +139,27 @@ def test_optimizer_built_before_sharding():
     check(GPT, world_size=2, steps=2, optimizer_before_shard=True)
 
 
+def _optimizer_stepped_before_sharding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()  # state at full size
+    opt.zero_grad()
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+
+
+def test_optimizer_stepped_before_sharding_is_a_clear_error():
+    with pytest.raises(fshard.testing.RanksFailed) as info:
+        get_pool(2).run(_optimizer_stepped_before_sharding)
+    for exc in info.value.errors.values():
+        assert isinstance(exc, ValueError)
+        assert "optimizer state of sharded parameter(s) '0.weight' (exp_avg [5, 6])" in str(exc)
+        assert "stepped before fully_shard" in str(exc)
+
+
 # --------------------------------------------------------------------------- custom flows
 
 
