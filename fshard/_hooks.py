@@ -146,12 +146,12 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
     """
     if not _UNSYNCED:
         return
-    pending = [g for g in list(_UNSYNCED) if g.has_unreduced_grads()]
+    pending = []
     for group in list(_UNSYNCED):
-        if group not in pending:
+        if group.has_unreduced_grads():
+            pending.append(group)
+        else:
             _UNSYNCED.discard(group)
-    if not pending:
-        return
     stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
     missed = [g for g in pending if any(id(s.sharded_param) in stepped for s in g.slots)]
     if missed:
@@ -203,7 +203,7 @@ def _load_state_dict_pre(
 
 
 def _bind_eager(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
-    """Like ``_bind`` for hooks that never run under torch.compile (state-dict hooks)."""
+    """``fn(group, *hook_args)`` as a hook that holds the unit weakly (a no-op once it is gone)."""
     ref = weakref.ref(group)
 
     def hook(*args: Any) -> Any:
@@ -217,18 +217,10 @@ def _bind_eager(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]
 
 
 def _bind(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
-    ref = weakref.ref(group)
-
-    def hook(*args: Any) -> Any:
-        target = ref()
-        if target is None:
-            return None
-        return fn(target, *args)
-
-    hook.__name__ = f"fshard_{fn.__name__.lstrip('_')}"
-    # Under torch.compile of a model that contains units, the hooks run eagerly (a graph break
-    # around each): they issue collectives and change parameters, which dynamo cannot trace.
-    return torch.compiler.disable(hook)
+    """``_bind_eager`` for forward hooks: under torch.compile of a model that contains units,
+    they run eagerly (a graph break around each), since they issue collectives and swap
+    parameters, which dynamo cannot trace."""
+    return torch.compiler.disable(_bind_eager(fn, group))
 
 
 # ------------------------------------------------------------------------------------ root state

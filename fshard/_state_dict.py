@@ -99,7 +99,11 @@ def _reshard_for_load(model: nn.Module, where: str) -> list[ParamGroup]:
     Returns the units that were unsharded (``fshard.unshard``), to gather again after loading
     so that they hold the new values.
     """
-    groups = units_or_error(model, where)
+    return _free_for_load(units_or_error(model, where), where)
+
+
+def _free_for_load(groups: list[ParamGroup], where: str) -> list[ParamGroup]:
+    """Reshard ``groups`` so that loads reach the shards; returns those that were gathered."""
     busy = [g for g in groups if g.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(
@@ -382,14 +386,7 @@ def on_module_load_state_dict(
             f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
             "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
         )
-    if group.sharded_state is not ShardedState.SHARDED:
-        if group.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"{where}: unit {group.label} is in {group.training_state.value}; load state "
-                "dicts between training steps, not during forward or backward"
-            )
-        # Writes must reach the shards; the unit gathers again on its next use.
-        group.reshard()
+    _free_for_load([group], where)  # the unit gathers again on its next use
     for key, slot in keys:
         value = state_dict[key]
         if isinstance(value, DTensor):
