@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -76,9 +77,7 @@ def test_reentrant_checkpointing_equals_ddp(where, mesh_shape, reshard_after_for
     # The recomputation runs inside backward, in a nested backward of its own: units gather again
     # there and their gradients arrive from the nested pass.
     spec = TransformerSpec(checkpoint=where, reentrant=True, dim=6, layers=2)
-    world_size = 1
-    for side in mesh_shape:
-        world_size *= side
+    world_size = math.prod(mesh_shape)
     check(spec, world_size=world_size, mesh_shape=mesh_shape, steps=2, reshard_after_forward=reshard_after_forward)
 
 
@@ -119,9 +118,7 @@ def _shard_and_compile(spec, what, model, mesh, **kwargs):
 @pytest.mark.parametrize("mesh_shape, reshard_after_forward", [((2,), True), ((2, 2), False)], ids=str)
 def test_torch_compile_equals_ddp(what, mesh_shape, reshard_after_forward):
     spec = TransformerSpec(dim=6, layers=2)
-    world_size = 1
-    for side in mesh_shape:
-        world_size *= side
+    world_size = math.prod(mesh_shape)
     assert_equivalent_to_ddp(
         functools.partial(build_model, spec),
         batch_fn=functools.partial(make_batch, spec),
@@ -250,32 +247,46 @@ def _clip_worker(norm_type, mesh_shape):
     return float(got), float(want), grads, {n: q.grad for n, q in ref.named_parameters()}
 
 
+class _NextToDDP:
+    """A small model sharded by fshard (units at ``unit_indices``, then the root) beside a DDP
+    replica of the same weights, each with SGD+momentum; ``step`` trains both on one batch."""
+
+    def __init__(self, reference, mesh_shape, unit_indices, **shard_kwargs):
+        import copy
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.reference = reference
+        self.model = copy.deepcopy(reference)
+        self.ddp = DDP(reference)
+        mesh = mesh_for(mesh_shape)
+        for index in unit_indices:
+            fshard.fully_shard(self.model[index], mesh=mesh, **shard_kwargs)
+        fshard.fully_shard(self.model, mesh=mesh, **shard_kwargs)
+        self.optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (self.ddp, self.model)]
+        torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
+
+    def step(self, x):
+        for m, opt in zip((self.ddp, self.model), self.optims, strict=True):
+            m(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def assert_equal_params(self):
+        for p, q in zip(self.model.parameters(), self.reference.parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
 def _inference_mode_between_steps(mesh_shape, kwargs):
-    import copy
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6))
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for(mesh_shape)
-    for layer in (model[0], model[2]):
-        fshard.fully_shard(layer, mesh=mesh, **kwargs)
-    fshard.fully_shard(model, mesh=mesh, **kwargs)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, model)]
-    torch.manual_seed(1 + dist.get_rank())
+    pair = _NextToDDP(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6)), mesh_shape, (0, 2), **kwargs)
     for _ in range(3):
         x = torch.randn(4, 6)
         # Evaluation first: the very first gather happens under inference mode.
         with torch.inference_mode():
-            torch.testing.assert_close(model(x), ddp.module(x), rtol=1e-5, atol=1e-6)
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(pair.model(x), pair.ddp.module(x), rtol=1e-5, atol=1e-6)
+        pair.step(x)
+    pair.assert_equal_params()
     return True
 
 
@@ -285,9 +296,7 @@ def _inference_mode_between_steps(mesh_shape, kwargs):
     ids=["1d", "2d-zero2", "offload"],
 )
 def test_inference_mode_before_and_between_steps(mesh_shape, kwargs):
-    world_size = 1
-    for side in mesh_shape:
-        world_size *= side
+    world_size = math.prod(mesh_shape)
     assert all(get_pool(world_size).run(_inference_mode_between_steps, mesh_shape, kwargs))
 
 
@@ -314,20 +323,10 @@ class _FailingLayer(nn.Module):
 
 
 def _recovers_from_failed_passes(mesh_shape):
-    import copy
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), _FailingLayer(), nn.Linear(5, 6), nn.Linear(6, 6))
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for(mesh_shape)
-    for index in (0, 3, 4):
-        fshard.fully_shard(model[index], mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, model)]
-    torch.manual_seed(1 + dist.get_rank())
+    pair = _NextToDDP(reference, mesh_shape, (0, 3, 4))
+    model = pair.model
     failures = []
     for step in range(3):
         x = torch.randn(4, 6)
@@ -341,21 +340,15 @@ def _recovers_from_failed_passes(mesh_shape):
                 model(x).pow(2).sum().backward()
             except RuntimeError as exc:
                 failures.append("backward" if "failed on purpose" in str(exc) else str(exc))
-            optims[1].zero_grad()
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+            pair.optims[1].zero_grad()
+        pair.step(x)
+    pair.assert_equal_params()
     return failures, fshard.memory_stats().gathered_bytes
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
 def test_training_goes_on_after_a_forward_or_backward_raised(mesh_shape):
-    world_size = 1
-    for side in mesh_shape:
-        world_size *= side
+    world_size = math.prod(mesh_shape)
     results = get_pool(world_size).run(_recovers_from_failed_passes, mesh_shape)
     assert results == [(["forward", "backward"], 0)] * world_size
 
@@ -391,9 +384,7 @@ def _step_after_unsynced_backward(mesh_shape, reduce_scatter):
     "mesh_shape, reduce_scatter", [((2,), False), ((2, 2), False), ((2, 2), True)], ids=str
 )
 def test_stepping_on_unreduced_gradients_warns(mesh_shape, reduce_scatter):
-    world_size = 1
-    for side in mesh_shape:
-        world_size *= side
+    world_size = math.prod(mesh_shape)
     for synced, unsynced, synced_again in get_pool(world_size).run(
         _step_after_unsynced_backward, mesh_shape, reduce_scatter
     ):

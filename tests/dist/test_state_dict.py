@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 
@@ -332,9 +333,7 @@ def test_state_dict_is_dtensors_under_the_unsharded_keys(mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
 def test_module_state_dict_is_the_sharded_state_dict_and_loads_full_or_sharded(mesh_shape):
-    world = 1
-    for side in mesh_shape:
-        world *= side
+    world = math.prod(mesh_shape)
     for assign_error, copy_error in get_pool(world).run(_module_state_dict_task, mesh_shape):
         assert "load_state_dict(assign=True) would replace fshard's sharded parameters" in assign_error
         assert "fshard.materialize(model)" in assign_error
