@@ -24,7 +24,7 @@ from fshard._hooks import (
     units_or_error,
     units_under,
 )
-from fshard._mesh import default_mesh, mesh_info
+from fshard._mesh import MeshInfo, default_mesh, mesh_info
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._param import GATHERED, ParamSlot
 from fshard._placement import ShardLayout, shard_layout
@@ -280,7 +280,7 @@ def no_sync(module: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None
     Example:
         >>> with fshard.no_sync(model):               # doctest: +SKIP
         ...     model(micro_batch_1).sum().backward()
-        >>> model(micro_batch_2).sum().backward()     # reduces the sum of both
+        >>> model(micro_batch_2).sum().backward()     # reduces both  # doctest: +SKIP
     """
     if not isinstance(reduce_scatter, bool):
         raise TypeError(f"no_sync: reduce_scatter must be a bool, got {reduce_scatter!r}")
@@ -302,8 +302,8 @@ class UnshardHandle:
 
     Example:
         >>> handle = fshard.unshard(model, async_op=True)  # doctest: +SKIP
-        >>> ...                                            # overlap other work
-        >>> handle.wait()                                  # full parameters from here on
+        >>> overlap_other_work()                           # doctest: +SKIP
+        >>> handle.wait()                                  # full params now  # doctest: +SKIP
     """
 
     def __init__(self, groups: list[ParamGroup]) -> None:
@@ -325,7 +325,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
 
     Example:
         >>> fshard.unshard(model)           # doctest: +SKIP
-        >>> model.fc.weight.shape           # full shape now
+        >>> model.fc.weight.shape           # full shape now  # doctest: +SKIP
         >>> fshard.reshard(model)           # doctest: +SKIP
     """
     groups = units_or_error(module, "unshard")
@@ -436,32 +436,36 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    if not params:
-        return torch.tensor(0.0)
-    by_group: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor], list[torch.Tensor]]] = {}
+    # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
+    # no gradient among them here (a peer may have some).
+    by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
     plain: list[torch.Tensor] = []
-    for p in params:
+    params = []
+    for p in parameters:
         grad = p.grad
-        assert_grad: torch.Tensor = grad  # type: ignore[assignment]  # filtered above
         if is_sharded(p):
             slot = p._fshard_slot
-            info = slot.mesh_info
-            key = id(info.shard_group)
-            entry = by_group.setdefault(key, (info.shard_group if info.shard_size > 1 else None, [], []))
-            # A replicated (0-d) param is held whole by every shard rank: count it once.
-            (entry[2] if slot.layout.replicated else entry[1]).append(assert_grad)
-        else:
-            plain.append(assert_grad)
-    device = params[0].grad.device  # type: ignore[union-attr]  # filtered above
+            entry = by_group.setdefault(id(slot.mesh_info.shard_group), (slot.mesh_info, [], []))
+            if grad is not None:
+                # A replicated (0-d) param is held whole by every shard rank: count it once.
+                (entry[2] if slot.layout.replicated else entry[1]).append(grad)
+        elif grad is not None:
+            plain.append(grad)
+        if grad is not None:
+            params.append(p)
+    if not by_group and not plain:
+        return torch.tensor(0.0)
+    # The norm lives on the compute device (the mesh's), also when CPU offload keeps grads on
+    # the host: the all-reduce runs there.
+    device = next(iter(by_group.values()))[0].device if by_group else plain[0].device
     total = _local_norm_power(plain, norm_type, device)
-    for group, sharded, replicated in by_group.values():
+    for info, sharded, replicated in by_group.values():
         part = _local_norm_power(sharded, norm_type, device)
-        if group is not None:
+        if info.shard_size > 1:
             _collectives.all_reduce_(
                 part,
-                group,
+                info.shard_group,
                 label="clip_grad_norm_",
                 op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
             )

@@ -9,7 +9,9 @@ grad (a post-accumulate-grad hook counts them): every node that used such a para
 its accumulator, so none can still need it. Frozen params of the unit may still be needed to
 compute the gradient of the unit's *inputs*, so the unit also waits until the gradients of its
 forward inputs are ready (an identity autograd Function on the inputs) before it frees the
-gathered params. A unit whose forward ran but whose gradients never all arrive (a parameter left
+gathered params; with frozen params and no input requiring grad, nothing says when they are
+done (a tensor may reach the forward other than as an argument), so the end-of-backward
+callback frees the unit. A unit whose forward ran but whose gradients never all arrive (a parameter left
 unused this step, an output that reached no loss) is finished by the root's end-of-backward
 callback instead, with zeros standing in for missing gradients so that every rank packs the
 same reduce-scatter.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, SupportsIndex
 
@@ -73,7 +76,7 @@ class PendingReduce:
         self.bucket_index = bucket_index
         self.slots = slots
         self.offsets = offsets
-        self.present = present  # which slots had a gradient on this rank
+        self.present = present  # which slots had a gradient on this rank (see _Reduced)
         self.output = output  # 1D, this rank's reduced chunk, reduce dtype
         self.work = work
         self.post_divide = post_divide
@@ -221,6 +224,10 @@ class ParamGroup:
                     group._on_grad_accumulated(param)
 
             self._grad_hook_handles.append(unsharded.register_post_accumulate_grad_hook(hook))
+        sharded = slot.sharded_param
+        if sharded.requires_grad and not sharded.__dict__.get("_fshard_hooked", False):
+            sharded._fshard_hooked = True  # type: ignore[attr-defined]  # marker, as above
+            sharded.register_post_accumulate_grad_hook(_used_while_sharded(slot.fqn, self.label))
 
     def ensure_packed(self) -> None:
         """Re-pack if a sharded param's data was replaced since packing (e.g. ``model.to``)."""
@@ -367,8 +374,14 @@ class ParamGroup:
 
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
-        if grads_done and self._inputs_ready >= self._input_waiters:
-            self.reshard()
+        if not grads_done or self._inputs_ready < self._input_waiters:
+            return
+        if self._input_waiters == 0 and self.num_grad_params < len(self.slots):
+            # Frozen params, and no forward input requiring grad to tell when they are no
+            # longer needed (a tensor that reached the forward another way, an attribute set by
+            # the parent, may still need them): the end-of-backward callback frees the unit.
+            return
+        self.reshard()
 
     def has_unreduced_grads(self) -> bool:
         """Gradients that no ``.grad`` shows yet: full ones kept under ``no_sync``, or (2D mesh,
@@ -385,9 +398,11 @@ class ParamGroup:
         root = self.root
         for index, bucket in enumerate(self.buckets):
             slots = [s for s in bucket.slots if s.requires_grad and s.layout.slot_numel > 0]
-            grads = [s.unsharded_param.grad if s.unsharded_param is not None else None for s in slots]
-            if all(g is None for g in grads):
+            if not slots:
                 continue
+            # Reduced even with no gradient here: another rank may have some (and every rank
+            # must issue the same collectives).
+            grads = [s.unsharded_param.grad if s.unsharded_param is not None else None for s in slots]
             pending = self._reduce_bucket(index, slots, grads)
             for slot in slots:
                 if slot.unsharded_param is not None:
@@ -423,7 +438,14 @@ class ParamGroup:
             else:
                 inputs.append(grad.reshape(layout.full_shape[0], -1))
             offsets.append(offsets[-1] + layout.slot_numel)
-        total = offsets[-1]
+        # [Note: which params got a gradient] One flag per slot after each rank's chunk: the
+        # reduce sums them, so every rank learns which params got a gradient on *any* rank.
+        if all(present):
+            flags = torch.ones((1, len(slots)), dtype=reduce_dtype, device=info.device)
+        else:
+            flags = torch.tensor([present], dtype=reduce_dtype, device=info.device)
+        inputs.append(flags.expand(size, len(slots)))
+        total = offsets[-1] + len(slots)
         with phase(f"fshard::reduce_scatter_input({self.trace_name})"):
             reduce_input = torch.empty((size, total), dtype=reduce_dtype, device=info.device)
             chunk_cat(inputs, size, reduce_input)
@@ -469,12 +491,31 @@ class ParamGroup:
             reduced.assign()
 
 
+def _used_while_sharded(fqn: str, unit: str) -> Callable[[torch.Tensor], None]:
+    """A hook for autograd accumulating into a *sharded* param: something outside the unit's
+    forward used the registered parameter while it held only this rank's shard (no fshard
+    computation ever puts a sharded param in the graph; ``to_local()`` is detached)."""
+
+    def hook(_param: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"fshard: parameter {fqn!r} of unit {unit} was used in the forward outside its "
+            "unit's forward while sharded (e.g. a tied output head calling "
+            "F.linear(h, self.embed.weight) in the parent): there it holds only this rank's "
+            "shard, so that forward computed with the wrong tensor. Put the module that owns "
+            "it and the code that uses it in one unit: call fully_shard on their common parent "
+            "but not on the owner (a tied head can also be an nn.Module sharing the weight)."
+        )
+
+    return hook
+
+
 class _Reduced(NamedTuple):
-    """A bucket's reduced gradient chunk: ``output[offsets[i]:]`` belongs to ``slots[i]``."""
+    """A bucket's reduced gradient chunk: ``output[offsets[i]:]`` belongs to ``slots[i]``, and
+    ``output[offsets[-1] + i]`` counts the ranks (scaled) where ``slots[i]`` got a gradient."""
 
     slots: list[ParamSlot]
     offsets: list[int]
-    present: list[bool]
+    present: list[bool]  # on this rank; the flags in ``output`` say for every rank
     output: torch.Tensor  # 1D, reduce dtype, on the compute device
 
     def merged_with(self, older: _Reduced) -> _Reduced:
@@ -493,11 +534,21 @@ class _Reduced(NamedTuple):
             n = slot.layout.slot_numel
             new, old = self.offsets[i], older.offsets[j]
             self.output[new : new + n].add_(older.output[old : old + n])
+            self.output[self.offsets[-1] + i].add_(older.output[older.offsets[-1] + j])
             present[i] = present[i] or older.present[j]
         return self._replace(present=present)
 
+    def anywhere(self) -> list[bool]:
+        """Which slots got a gradient on some rank (reads the flags only if one did not here)."""
+        if all(self.present):
+            return self.present
+        start = self.offsets[-1]
+        flags = self.output[start : start + len(self.slots)].tolist()
+        return [here or flag > 0 for here, flag in zip(self.present, flags, strict=True)]
+
     def assign(self) -> None:
-        """Set (or accumulate into) ``.grad`` of each sharded param that got a gradient."""
+        """Set (or accumulate into) ``.grad`` of each sharded param that got a gradient on
+        any rank (as DDP does: the others' rows are averaged in even where it was unused)."""
         if not self.slots:
             return
         output = self.output
@@ -506,7 +557,7 @@ class _Reduced(NamedTuple):
             # Blocking when it lands on the host (CPU offload): the optimizer reads it next.
             to_host = first.device.type == "cpu" and output.device.type != "cpu"
             output = output.to(first.device, first.dtype, non_blocking=not to_host)
-        for slot, offset, present in zip(self.slots, self.offsets[:-1], self.present, strict=True):
+        for slot, offset, present in zip(self.slots, self.offsets[:-1], self.anywhere(), strict=True):
             if not present:
                 continue
             layout = slot.layout

@@ -19,6 +19,8 @@ collectives] in _collectives).
 
 from __future__ import annotations
 
+import copy as copy_module
+import dataclasses
 import hashlib
 import logging
 import os
@@ -110,7 +112,9 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
 
     An optimizer stepped *before* ``fully_shard`` holds state shaped like the full parameter;
     torch would fail deep inside the update with a shape mismatch, or, for an optimizer that
-    broadcasts, update the shard with the wrong rows.
+    broadcasts, update the shard with the wrong rows. State that an optimizer made in its
+    constructor (Adagrad's ``sum``, with ``step`` 0) was never stepped: it is the same on every
+    rank, so this rank's rows of it are its sharded state, and they replace it.
     """
     wrong = []
     sharded = False
@@ -120,11 +124,30 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             sharded = sharded or slot is not None
             if slot is None or param not in optimizer.state:
                 continue
-            full, local = slot.layout.full_shape, slot.layout.local_shape
-            for key, value in optimizer.state[param].items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape == full != local:
-                    wrong.append(f"{slot.fqn!r} ({key} {list(value.shape)})")
-                    break
+            layout = slot.layout
+            state = optimizer.state[param]
+            full_keys = [
+                key
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+                and value.dim()
+                and value.shape == layout.full_shape != layout.local_shape
+            ]
+            if not full_keys:
+                continue
+            if _never_stepped(state):
+                for key in full_keys:
+                    rows = state[key].narrow(0, layout.row_offset, layout.local_shape[0])
+                    state[key] = rows.clone()
+            else:
+                wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
+    if sharded and isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "torch.optim.LBFGS cannot step fshard's sharded parameters: its line search takes "
+            "dot products over whole parameters, and each rank holds only its shards, so the "
+            "ranks would take different steps. Use an elementwise optimizer (SGD, Adam, AdamW, "
+            "...), or run LBFGS on an unsharded model."
+        )
     if wrong:
         shown = ", ".join(wrong[:3]) + (" ..." if len(wrong) > 3 else "")
         raise ValueError(
@@ -134,6 +157,20 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
     return sharded
+
+
+def _never_stepped(state: dict[str, Any]) -> bool:
+    """Whether a param's optimizer state records zero steps taken (a ``step`` of 0)."""
+    step = state.get("step")
+    if isinstance(step, torch.Tensor):
+        return step.numel() == 1 and step.item() == 0
+    return isinstance(step, (int, float)) and step == 0
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The first-step check of ``_check_optimizer_step``, for state dict functions."""
+    if optimizer not in _CHECKED_OPTIMIZERS and _check_state_is_sharded(optimizer):
+        _CHECKED_OPTIMIZERS.add(optimizer)
 
 
 def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any) -> None:
@@ -195,11 +232,14 @@ def _load_state_dict_pre(
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: dict[str, Any],
-    *_rest: Any,
+    _strict: bool,
+    _missing_keys: list[str],
+    _unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
     from fshard._state_dict import on_module_load_state_dict  # imports this module
 
-    on_module_load_state_dict(group, module, state_dict, prefix, local_metadata)
+    on_module_load_state_dict(group, module, state_dict, prefix, local_metadata, error_msgs)
 
 
 def _bind_eager(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
@@ -418,10 +458,40 @@ class _InputsGradReady(torch.autograd.Function):
         return (None, *grads)
 
 
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``fn`` over the tensors of a pytree, also inside dataclasses pytree does not know
+    (it sees those as leaves); a dataclass is shallow-copied, never changed in place."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if _is_dataclass_instance(x):
+            copy = copy_module.copy(x)
+            for field in dataclasses.fields(x):
+                object.__setattr__(copy, field.name, _map_tensors(fn, getattr(x, field.name)))
+            return copy
+        return x
+
+    return pytree.tree_map(leaf, tree)
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a pytree, also inside dataclasses (see ``_map_tensors``)."""
+    out: list[torch.Tensor] = []
+    for x in pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif _is_dataclass_instance(x):
+            out.extend(_tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)]))
+    return out
+
+
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
-    )
+    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _pre_forward(
@@ -492,9 +562,9 @@ def _post_forward(
         output = _cast_floating(output, mp.output_dtype)
     if grad_enabled:
         hook = _bind(_pre_backward, group)
-        leaves = [output] if type(output) is torch.Tensor else pytree.tree_leaves(output)
+        leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            if leaf.requires_grad:
                 leaf.register_hook(hook)
     if root.root is group:
         root.on_root_post_forward()
@@ -503,6 +573,14 @@ def _post_forward(
 
 def _pre_backward(group: ParamGroup, grad: torch.Tensor) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    if grad.requires_grad:
+        # Only a backward with create_graph=True makes differentiable gradients.
+        raise RuntimeError(
+            f"fshard: a backward with create_graph=True reached unit {group.label} (a gradient "
+            "penalty, double backward or Hessian-vector product): fshard frees the gathered "
+            "parameters when the backward ends, and the graph it builds would read them later. "
+            "Higher-order gradients are not supported through sharded units."
+        )
     root.ensure_final_callback()
     if group.training_state is TrainingState.PRE_BACKWARD and (
         group.sharded_state is ShardedState.UNSHARDED
@@ -651,6 +729,17 @@ def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
     problems.raise_if_any(ValueError)
     for source, target, slot in moves:
         logger.debug("fshard: moving shared parameter %s to unit %s", slot.fqn, target.label)
+        if source.mp_policy != target.mp_policy or source.offload_policy != target.offload_policy:
+            where = sites.get(id(slot.sharded_param), [])
+            users = [fqn or "<root>" for fqn, _, _ in where]
+            names = [f"{fqn}.{attr}" if fqn else attr for fqn, _, attr in where]
+            warnings.warn(
+                f"fshard: parameter {names[-1]!r} is shared by modules {users}, so it belongs to "
+                f"unit {target.label} and follows that unit's mp_policy / offload_policy, not "
+                f"those given to unit {source.label} (e.g. a tied output head: untie it, or set "
+                "the policy on the common parent)",
+                stacklevel=2,
+            )
         locals_src = [s.sharded_param.detach() for s in source.slots if s is not slot]
         target.set_slots(
             [*target.slots, slot], [*(s.sharded_param.detach() for s in target.slots), slot.sharded_param.detach()]

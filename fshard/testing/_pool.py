@@ -277,9 +277,17 @@ class RankPool:
                 if dead:
                     codes = {r: self._procs[r].exitcode for r in dead}
                     self.close()
+                    hint = ""
+                    if what == "start":
+                        hint = (
+                            " (their stderr says why; from a script, start the pool under "
+                            "`if __name__ == '__main__':`, since each rank re-imports the main "
+                            "module, and define the functions it runs in an importable module "
+                            "or that script)"
+                        )
                     raise RankDied(
                         f"rank(s) {dead} died while running {what} (exit codes {codes}); "
-                        "the pool was stopped and will restart on next use"
+                        f"the pool was stopped and will restart on next use{hint}"
                     ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(answers))

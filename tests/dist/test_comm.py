@@ -12,9 +12,10 @@ from fshard.testing.models import TransformerSpec, build_model, compute_loss, ma
 SPEC = TransformerSpec(vocab=29, dim=8, heads=2, layers=3, seq=6, batch_size=2)
 
 
-def _padded_bytes(model, size: int, prefix: str = "") -> tuple[int, int, int]:
-    """(padded param bytes, padded grad bytes, unpadded param bytes) of the sharded model."""
-    padded = grads = full = 0
+def _padded_bytes(model, size: int, prefix: str = "") -> tuple[int, int, int, int]:
+    """(padded param bytes, padded grad bytes, unpadded param bytes, gradient-flag bytes per
+    rank's chunk) of the sharded model (every param here is fp32)."""
+    padded = grads = full = flags = 0
     for name, p in model.named_parameters():
         if not name.startswith(prefix):
             continue
@@ -28,7 +29,9 @@ def _padded_bytes(model, size: int, prefix: str = "") -> tuple[int, int, int]:
         padded += size * slot * p.element_size()
         grads += size * slot * p.element_size() if p.requires_grad else 0
         full += n * p.element_size()
-    return padded, grads, full
+        # One "got a gradient" flag per trainable param rides along in each rank's chunk.
+        flags += p.element_size() if p.requires_grad and n else 0
+    return padded, grads, full, flags
 
 
 def _step_comm_worker(mesh_shape, reshard_after_forward, **shard_kwargs):
@@ -68,7 +71,7 @@ def test_step_traffic_is_zero3(mesh_shape, reshard_after_forward):
     for s in mesh_shape:
         world *= s
     for result in get_pool(world).run(_step_comm_worker, mesh_shape, reshard_after_forward):
-        padded, grad_bytes, full = result["bytes"]
+        padded, grad_bytes, full, flag_bytes = result["bytes"]
         size = mesh_shape[-1]
         assert padded - full < size * 4 * SPEC.dim * 8  # padding: under one row per rank per param
         units = result["units"]
@@ -89,14 +92,14 @@ def test_step_traffic_is_zero3(mesh_shape, reshard_after_forward):
             assert sum(r[2] for r in gathers) * size == sum(r[3] for r in gathers)
             # Gradients: one reduce-scatter per unit of the (padded) full gradient.
             assert len(scatters) == units
-            assert sum(r[2] for r in scatters) == grad_bytes
-            assert sum(r[3] for r in scatters) == grad_bytes // size
+            assert sum(r[2] for r in scatters) == grad_bytes + size * flag_bytes
+            assert sum(r[3] for r in scatters) == grad_bytes // size + flag_bytes
             # Collectives stay inside their groups.
             assert all(r[1] == result["shard_group"] for r in gathers + scatters)
             if len(mesh_shape) == 2:
                 assert len(reduces) == units
                 assert all(r[1] == result["replicate_group"] for r in reduces)
-                assert sum(r[2] for r in reduces) == grad_bytes // size
+                assert sum(r[2] for r in reduces) == grad_bytes // size + flag_bytes
             else:
                 assert reduces == []
         # The cross-rank model check runs once, at the first forward, never again.
@@ -105,7 +108,7 @@ def test_step_traffic_is_zero3(mesh_shape, reshard_after_forward):
 
 def test_no_shard_strategy_only_all_reduces():
     for result in get_pool(4).run(_step_comm_worker, (4, 1), False):
-        padded, grad_bytes, _ = result["bytes"]
+        padded, grad_bytes, _, flag_bytes = result["bytes"]
         records = result["steps"][1]  # step 0 also holds the one-off root-init check
         assert {r[0] for r in records} == {"all_reduce"}  # like DDP: no gathers at all
-        assert sum(r[2] for r in records) == grad_bytes
+        assert sum(r[2] for r in records) == grad_bytes + flag_bytes

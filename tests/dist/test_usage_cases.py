@@ -1,0 +1,356 @@
+"""Ways of using a model that reach past the common path: parameters used on some ranks only,
+tensors reaching a unit other than as arguments, dataclass outputs, and the uses fshard cannot
+support, which must be clear errors rather than wrong numbers or a crash in autograd."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fshard
+from fshard.testing import get_pool, mesh_for
+
+
+def _assert_params_equal(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _batch(step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+
+
+# ------------------------------------------------------------- parameters used on some ranks only
+
+
+class _Routed(nn.Module):
+    """Routes each rank's batch to one expert (an MoE in miniature); ``spare`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(5, 5) for _ in range(2))
+        self.spare = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[dist.get_rank() % 2](x)
+
+
+class _RoutedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 5)
+        self.moe = _Routed()
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.moe(torch.tanh(self.inp(x)))))
+
+
+def _routed_worker(mesh_shape):
+    torch.manual_seed(0)
+    reference = _RoutedNet()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference, find_unused_parameters=True)
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model.moe, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    # AdamW with weight decay tells a zero gradient from none: a param with a gradient moves.
+    optims = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (ddp, model)]
+    for step in range(3):
+        x = _batch(step, (4, 5))
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_params_used_on_some_ranks_only_equal_ddp(mesh_shape):
+    """Every rank's shard gets the averaged gradient of an expert some rank used (as DDP with
+    find_unused_parameters=True does); a param no rank used keeps no gradient."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_routed_worker, mesh_shape))
+
+
+# ------------------------------------------------------------- tensors that are not arguments
+
+
+class _SideInput(nn.Module):
+    """A frozen weight applied to a tensor the parent sets as an attribute, not an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.side: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.side @ self.weight + self.bias
+
+
+class _SideNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.block = _SideInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.block.side = self.enc(x)
+        return self.block(x)
+
+
+def _side_input_worker():
+    torch.manual_seed(0)
+    reference = _SideNet()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for m in (model.enc, model.block, model):
+        fshard.fully_shard(m, mesh=mesh)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+    for step in range(2):
+        x = _batch(step, (3, 4))  # no grad: only the side tensor needs the frozen weight
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+def test_frozen_param_needed_by_a_tensor_that_is_not_an_argument():
+    """The unit keeps its frozen weight until backward ends, not just until its own gradients
+    arrive: a tensor that reached its forward as an attribute still needs it."""
+    assert all(get_pool(2).run(_side_input_worker))
+
+
+@dataclasses.dataclass
+class _Output:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+    note: str = "extra"
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        h = self.lin(x)
+        return _Output(hidden=h, aux=h.pow(2).mean())
+
+
+class _DataclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.block = _DataclassBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(self.inp(x))
+        assert isinstance(out, _Output) and out.note == "extra"
+        return out.hidden.sum() + out.aux
+
+
+def _dataclass_worker(mp: bool):
+    torch.manual_seed(0)
+    reference = _DataclassNet()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    # output_dtype=float64 exercises the cast through the dataclass (then compared in fp32).
+    policy = fshard.MixedPrecision(output_dtype=torch.float64) if mp else None
+    fshard.fully_shard(model.block, mesh=mesh, mp_policy=policy)
+    fshard.fully_shard(model, mesh=mesh)
+    seen = []
+    model.block.register_forward_hook(lambda m, a, out: seen.append((out.hidden.dtype, out.aux.dtype)))
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+    for step in range(2):
+        x = _batch(step, (3, 4))
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).float().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    assert set(seen) == {(torch.float64, torch.float64) if mp else (torch.float32, torch.float32)}
+    return True
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["plain", "output_dtype"])
+def test_dataclass_outputs_equal_ddp(mp):
+    """Tensors inside a dataclass output get the unit's pre-backward gather (and casts)."""
+    assert all(get_pool(2).run(_dataclass_worker, mp))
+
+
+# ---------------------------------------------------------------- clear errors, not wrong numbers
+
+
+class _DirectTie(nn.Module):
+    """The output head is ``F.linear`` on the embedding's weight, in the parent's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.mix(self.embed(tokens)), self.embed.weight)
+
+
+def _direct_tie_worker(embed_is_unit: bool):
+    torch.manual_seed(0)
+    model = _DirectTie()
+    reference = copy.deepcopy(model)
+    mesh = mesh_for((dist.get_world_size(),))
+    if embed_is_unit:
+        fshard.fully_shard(model.embed, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    tokens = torch.arange(6).reshape(2, 3)
+    logits = model(tokens)
+    try:
+        logits.sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    # One unit for both: the parent's forward sees the gathered weight, as the plain model does.
+    torch.testing.assert_close(logits, reference(tokens))
+    return None
+
+
+def test_parent_using_a_sharded_child_param_is_a_clear_error():
+    errors = get_pool(2).run(_direct_tie_worker, True)
+    for error in errors:
+        assert "'embed.weight'" in error and "outside its unit's forward" in error
+        assert "call fully_shard on their common parent" in error
+    assert get_pool(2).run(_direct_tie_worker, False) == [None, None]
+
+
+def _double_backward_worker():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    x = torch.randn(3, 4, requires_grad=True)
+    try:
+        (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        grad.pow(2).sum().backward()
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        return None
+    # The model still trains normally afterwards.
+    model(torch.randn(3, 4)).sum().backward()
+    assert model[0].weight.grad is not None
+    return message
+
+
+def test_create_graph_backward_is_a_clear_error():
+    for message in get_pool(2).run(_double_backward_worker):
+        assert message is not None and "create_graph=True" in message
+
+
+def _lbfgs_worker():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model, mesh=mesh)
+    opt = torch.optim.LBFGS(model.parameters())
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(TypeError, match="LBFGS cannot step fshard's sharded parameters"):
+        opt.step(closure)
+    return True
+
+
+def test_lbfgs_is_a_clear_error():
+    assert all(get_pool(2).run(_lbfgs_worker))
+
+
+def _tied_head_policy_worker():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[1], mesh=mesh, mp_policy=fshard.MixedPrecision(param_dtype=torch.float64))
+    fshard.fully_shard(model, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="dtype"):  # the head's inputs became fp64
+            model(torch.arange(4))
+    return [str(w.message) for w in caught if "follows that unit's mp_policy" in str(w.message)]
+
+
+def test_policy_of_a_unit_losing_its_tied_param_warns():
+    for messages in get_pool(2).run(_tied_head_policy_worker):
+        assert len(messages) == 1 and "'1.weight'" in messages[0] and "<root>" in messages[0]
+
+
+# ---------------------------------------------------------------------------- clip and optimizers
+
+
+def _clip_without_local_grads_worker():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    if dist.get_rank() == 0:
+        model[0].zero_grad(set_to_none=True)  # no gradient among these params on this rank
+        reference[0].weight.grad[:2] = 0  # the rows rank 0 holds
+        reference[0].bias.grad[:2] = 0
+    want = torch.nn.utils.clip_grad_norm_(reference[0].parameters(), 1.0)
+    got = fshard.clip_grad_norm_(model[0].parameters(), 1.0)
+    return got.item(), want.item()
+
+
+def test_clip_grad_norm_joins_in_without_local_gradients():
+    """A rank holding no gradient among the given params still joins the norm's all-reduce."""
+    results = get_pool(2).run(_clip_without_local_grads_worker, timeout=60)
+    assert results[0][0] == pytest.approx(results[1][0])
+    assert results[0][0] == pytest.approx(results[0][1], rel=1e-5)  # rank 0 zeroed its rows
+
+
+def _adagrad_before_sharding_worker():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    optims = [torch.optim.Adagrad(m.parameters(), lr=0.1, initial_accumulator_value=0.5) for m in (ddp, model)]
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh)  # after the optimizer made its (full-size) state
+    fshard.fully_shard(model, mesh=mesh)
+    for step in range(2):
+        x = _batch(step, (4, 6))
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+def test_optimizer_with_constructor_state_built_before_sharding():
+    """Adagrad fills its state in its constructor; never stepped, it still works (SPEC §1)."""
+    assert all(get_pool(3).run(_adagrad_before_sharding_worker))
