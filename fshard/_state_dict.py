@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import ProblemList
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._hooks import unit_of, units_or_error
+from fshard._hooks import check_optimizer_state, unit_of, units_or_error
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard.transforms import Layout, TensorLayout
@@ -349,9 +349,11 @@ def _keys_of(group: ParamGroup, module: nn.Module, prefix: str) -> list[tuple[st
 def on_module_state_dict(
     group: ParamGroup, module: nn.Module, destination: dict[str, Any], prefix: str
 ) -> None:
-    """``module.state_dict()`` post-hook: the unit's shards become DTensors (see the Note)."""
-    if group.sharded_state is not ShardedState.SHARDED:
-        return  # gathered right now (fshard.unshard): the entries are the full parameters
+    """``module.state_dict()`` post-hook: the unit's shards become DTensors (see the Note).
+
+    Also while the unit is gathered (``fshard.unshard``): the entries are then the gathered
+    copies, in the compute dtype, and are replaced by the master shards all the same.
+    """
     made: dict[int, DTensor] = {}
     for key, slot in _keys_of(group, module, prefix):
         value = destination.get(key)
@@ -359,7 +361,7 @@ def on_module_state_dict(
             continue  # keep_vars=True gives the parameters themselves; leave those alone
         dtensor = made.get(id(slot))
         if dtensor is None:
-            dtensor = made[id(slot)] = _as_dtensor(slot, value)
+            dtensor = made[id(slot)] = _as_dtensor(slot, _local(slot))
         destination[key] = dtensor
 
 
@@ -369,12 +371,15 @@ def on_module_load_state_dict(
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: dict[str, Any],
+    error_msgs: list[str],
 ) -> None:
     """``module.load_state_dict()`` pre-hook: replace the unit's entries by this rank's shard.
 
-    DTensors (any mesh) and full-shaped tensors become local shards; any other tensor is left
-    for ``nn.Module`` to check (a local-shard-shaped tensor loads as it is). ``state_dict`` is
-    ``load_state_dict``'s own copy of the caller's dict.
+    DTensors (any mesh) and full-shaped tensors become local shards, and a local-shard-shaped
+    tensor loads as it is. Any other tensor is a size mismatch reported against the *full*
+    shape (``nn.Module`` would name the local one) through ``error_msgs``, so it is raised with
+    the other errors of the load. ``state_dict`` is ``load_state_dict``'s own copy of the
+    caller's dict.
     """
     where = f"{type(module).__name__}.load_state_dict"
     keys = [(key, slot) for key, slot in _keys_of(group, module, prefix) if key in state_dict]
@@ -393,6 +398,13 @@ def on_module_load_state_dict(
             state_dict[key] = _shard_of(value, slot)
         elif isinstance(value, torch.Tensor) and value.shape == slot.layout.full_shape:
             state_dict[key] = _local_rows(value, slot)
+        elif isinstance(value, torch.Tensor) and value.shape != slot.sharded_param.shape:
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {slot.layout.full_shape} (sharded "
+                f"by fshard; this rank holds {tuple(slot.sharded_param.shape)})."
+            )
+            state_dict[key] = _local(slot)  # copied onto itself: nothing changes
 
 
 # ------------------------------------------------------------------------------ state dicts
@@ -433,8 +445,9 @@ def full_state_dict(
 
     Collective: every rank of the mesh must call it. Each parameter is gathered on its own and
     moved to the CPU right away, so peak memory is about one full parameter plus the result
-    ([Note: one parameter at a time]). With ``rank0_only`` (default) only rank 0 gets the tensors
-    and other ranks get ``{}``; ``cpu_offload=False`` keeps them on the compute device.
+    (one gather per parameter, never the whole model). With ``rank0_only`` (default) only rank 0
+    gets the tensors and other ranks get ``{}``; ``cpu_offload=False`` keeps them on the compute
+    device. The values are copies: later training does not change them.
 
     Example:
         >>> full = fshard.full_state_dict(model)       # every rank calls it  # doctest: +SKIP
@@ -449,8 +462,10 @@ def full_state_dict(
     for e in _entries(model, where):
         if e.slot is None:
             if keep:
-                value = e.value.detach() if isinstance(e.value, torch.Tensor) else e.value
-                out[e.key] = value.cpu() if cpu_offload and isinstance(value, torch.Tensor) else value
+                value = e.value
+                if isinstance(value, torch.Tensor):  # a copy, like the gathered params
+                    value = value.detach().to("cpu" if cpu_offload else value.device, copy=True)
+                out[e.key] = value
             continue
         if id(e.slot) not in done:
             full = _gather_full(
@@ -566,7 +581,9 @@ def _load_everywhere(
     loaded: set[int] = set()
     rest: dict[str, Any] = {}
     with torch.no_grad():
-        for e in entries:
+        # Last key first: a tied parameter takes the value under its last key, as it does in
+        # nn.Module.load_state_dict.
+        for e in reversed(entries):
             if e.key not in state_dict:
                 continue
             value = state_dict[e.key]
@@ -640,7 +657,7 @@ def _load_from_rank0(
     loaded: set[int] = set()
     rest: dict[str, Any] = {}
     with torch.no_grad():
-        for e in entries:
+        for e in reversed(entries):  # a tied parameter takes its last key's value (as above)
             meta = assert_described.get(e.key)
             if meta is None:
                 continue
@@ -742,6 +759,17 @@ def _is_shard_shaped(value: Any, slot: ParamSlot | None) -> bool:
     )
 
 
+def _is_unsupported_state(value: Any, slot: ParamSlot | None) -> bool:
+    """A non-scalar state tensor of a sharded param that is not shaped like its shard."""
+    return (
+        slot is not None
+        and not slot.layout.replicated
+        and isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.dim() > 0
+    )
+
+
 def _named_params(
     model: nn.Module, optim: torch.optim.Optimizer, where: str
 ) -> tuple[list[list[tuple[str, ParamSlot | None]]], list[_Entry]]:
@@ -789,6 +817,7 @@ def optim_state_dict(
     """
     where = "fshard.optim_state_dict"
     named_groups, _ = _named_params(model, optim, where)
+    check_optimizer_state(optim)  # state made before fully_shard: sharded now, or an error
     info = _root_info(model, where)
     keep = not rank0_only or dist.get_rank() == _src_rank(info)
     by_param: dict[int, tuple[str, ParamSlot | None]] = {}
@@ -818,8 +847,16 @@ def optim_state_dict(
                             out[key] = gathered.cpu()
                     else:
                         out[key] = _as_dtensor(assert_slot, value)
+                elif _is_unsupported_state(value, slot):
+                    raise ValueError(
+                        f"{where}: state[{name!r}][{key!r}] of {type(optim).__name__} has shape "
+                        f"{list(value.shape)}, neither this rank's shard of the parameter "
+                        f"{list(slot.layout.local_shape)} nor a scalar: fshard saves optimizer "  # type: ignore[union-attr]  # checked
+                        "state shaped like the parameter plus scalars (factored state such as "
+                        "Adafactor's is not supported on sharded parameters)"
+                    )
                 elif isinstance(value, torch.Tensor) and full:
-                    out[key] = value.detach().cpu()
+                    out[key] = value.detach().to("cpu", copy=True)  # a snapshot, as gathered ones
                 else:
                     out[key] = value
             state[name] = out
@@ -883,19 +920,38 @@ def _load_optim(
                 f"param_groups[{g_index}] holds different parameters: only in the state dict "
                 f"{only_saved}, only in the optimizer {only_current}"
             )
+        # Hyperparameters missing on one side only are torch versions apart (filled from the
+        # optimizer below); missing on both sides means another optimizer class.
+        saved_keys = set(saved) - {"params"}
+        current_keys = set(optim.param_groups[g_index]) - {"params"}
+        if saved_keys - current_keys and current_keys - saved_keys:
+            problems.add(
+                f"param_groups[{g_index}] has hyperparameters {sorted(saved_keys - current_keys)} "
+                f"that {type(optim).__name__} does not take and lacks its "
+                f"{sorted(current_keys - saved_keys)}: the state dict comes from another kind of "
+                "optimizer"
+            )
     unknown = sorted(set(saved_state) - known)
     if unknown:
         problems.add(f"state for parameter(s) the optimizer does not hold: {unknown}")
+    slots = {n: s for group in named_groups for n, s in group}
     for name, st in saved_state.items():
+        slot = slots.get(name)
+        if slot is None or not isinstance(st, Mapping):
+            continue
+        want = slot.layout.full_shape
         for key, value in st.items():
-            if isinstance(value, DTensor) and name in known:
-                slot = next(s for group in named_groups for n, s in group if n == name)
-                want = slot.layout.full_shape if slot is not None else None
-                if want is not None and value.shape != want:
-                    problems.add(
-                        f"state[{name!r}][{key!r}]: shape mismatch, the parameter has shape "
-                        f"{list(want)} but the state has {list(value.shape)}"
-                    )
+            if not isinstance(value, torch.Tensor):
+                continue
+            if isinstance(value, DTensor):
+                bad = value.shape != want
+            else:  # full, this rank's shard (refused below, with advice), or a scalar
+                bad = value.dim() > 0 and value.shape not in (want, slot.layout.local_shape)
+            if bad:
+                problems.add(
+                    f"state[{name!r}][{key!r}]: shape mismatch, the parameter has shape "
+                    f"{list(want)} but the state has {list(value.shape)}"
+                )
     problems.raise_if_any(ValueError)
 
     torch_state: dict[int, dict[str, Any]] = {}
@@ -911,7 +967,8 @@ def _load_optim(
                     for key, value in saved_state[name].items()
                 }
             index += 1
-        group = {k: v for k, v in saved.items() if k != "params"}
+        group = {k: v for k, v in optim.param_groups[len(torch_groups)].items() if k != "params"}
+        group.update((k, v) for k, v in saved.items() if k != "params")
         group["params"] = ids
         torch_groups.append(group)
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})

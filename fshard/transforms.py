@@ -88,7 +88,9 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How one state-dict entry is laid out over a mesh (see [Note: layouts and coordinates]).
+    """How one state-dict entry is laid out over a mesh: full shape, dtype, mesh shape and one
+    placement per mesh dim, ``"R"`` (replicate) or ``"S(d)"`` (shard dim ``d`` like
+    ``torch.chunk``, as DTensor's ``Shard(d)``).
 
     Example:
         >>> w = TensorLayout(full_shape=(5, 3), dtype="float32", mesh_shape=(4,), placements=("S(0)",))
@@ -397,9 +399,15 @@ def _flatten_by_coord(
 ) -> tuple[list[Coord], list[PathKey], dict[Coord, list[Any]], optree.PyTreeSpec]:
     if not local_sds_by_coord:
         raise ValueError(f"{where}: needs the local state dict of at least one coordinate")
-    by_coord = {
-        _check_coord(c, mesh_shape, where): tree for c, tree in local_sds_by_coord.items()
-    }
+    by_coord: dict[Coord, Any] = {}
+    for given, tree in local_sds_by_coord.items():
+        coord = _check_coord(given, mesh_shape, where)
+        if coord in by_coord:
+            raise ValueError(
+                f"{where}: coordinate {coord} is given twice (as {given!r} and as another key); "
+                "give each coordinate's local state dict once"
+            )
+        by_coord[coord] = tree
     coords = sorted(by_coord)
     paths, _, spec = _flatten(by_coord[coords[0]])
     leaves: dict[Coord, list[Any]] = {}
@@ -422,7 +430,9 @@ def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
     """The local state dict of mesh coordinate ``coord``, cut from a full (nested) state dict.
 
     Sharded leaves come back as views of ``full_sd``'s tensors; replicated leaves are the input
-    objects themselves. See [Note: which leaves are sharded].
+    objects themselves. A leaf at a layout key must be a full-shaped tensor; optimizer state
+    below a key is sharded like the parameter when its shape matches and kept whole otherwise
+    (Adam's ``step``).
 
     Example:
         >>> layout = Layout((2,), {"w": TensorLayout((3, 2), "float32", (2,), ("S(0)",))})

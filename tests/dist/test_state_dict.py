@@ -102,7 +102,10 @@ def _load_while_unsharded_task():
     want = dict(C.build(seed=8).state_dict())
     fshard.unshard(model)  # the module holds gathered params now
     fshard.load_state_dict(model, want)
-    gathered = {k: v.detach() for k, v in model.state_dict().items()}
+    # The module's registered tensors are the gathered params now (model.state_dict() would
+    # give the sharded DTensors, gathered or not).
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    gathered = {k: v.detach() for k, v in tensors if k in want}
     C.assert_same_tensors(gathered, want, what="gathered params after the load")
     fshard.reshard(model)
     C.assert_same_tensors(C.full_params(model), want, what="shards after the load")

@@ -253,6 +253,13 @@ def test_bad_coordinates_and_layouts_are_clear_errors():
         T.Layout((2, 2), {"w": T.TensorLayout((3,), "float32", (3,), ("S(0)",))})
 
 
+def test_a_coordinate_given_twice_is_an_error():
+    layout = T.Layout((2,), {"w": T.TensorLayout((3,), "float32", (2,), ("S(0)",))})
+    one = {"w": torch.tensor([1.0, 2.0])}
+    with pytest.raises(ValueError, match=r"coordinate \(0,\) is given twice"):
+        T.unshard({0: one, (0,): {"w": torch.tensor([9.0, 9.0])}, 1: {"w": torch.tensor([3.0])}}, layout)
+
+
 def test_layout_pickles_and_round_trips_through_json():
     layout = T.Layout(
         (2, 2),
