@@ -729,7 +729,10 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | FSDPConfig 
     file (``distributed_type: FSDP`` with an ``fsdp_config`` block) or just the block's keys.
     ``None`` reads the file named by ``$FSHARD_CONFIG_FILE`` (set by ``fshard launch
     --config_file``). Every unknown key or bad value is reported in one ``ValueError`` that names
-    them and lists the valid ones. See [Note: accelerate key spellings].
+    them and lists the valid ones. Every spelling accelerate and Transformers use is accepted:
+    the ``fsdp_`` prefix is optional, ``fsdp_wrap_policy`` = ``fsdp_auto_wrap_policy``,
+    ``fsdp_backward_prefetch`` = ``fsdp_backward_prefetch_policy``, ``min_num_param`` =
+    ``min_num_params``, and ``SIZED_BASED_WRAP`` = ``SIZE_BASED_WRAP``.
 
     Example:
         >>> import fshard
@@ -768,6 +771,11 @@ def _read_yaml(path: str) -> Mapping[Any, Any]:
     import yaml
 
     file = Path(path)
+    if file.is_dir():
+        raise IsADirectoryError(
+            f"FSDP config file {path!r} is a directory, not a file; pass the path of the YAML "
+            "file (an accelerate config or its fsdp_config block)"
+        )
     if not file.is_file():
         raise FileNotFoundError(f"FSDP config file {path!r} does not exist")
     try:

@@ -49,7 +49,9 @@ accelerate), num_machines, machine_rank, main_process_ip, main_process_port, rdz
 and gpu_ids. Flags override the file. The file's path reaches the script as
 $FSHARD_CONFIG_FILE, so `fshard.from_config(model)` with no config argument applies it.
 
-Everything after SCRIPT is passed to the script unchanged.
+Everything after SCRIPT is passed to the script, except that an option there which is an
+ambiguous abbreviation of a launcher option stops the launch (as with torchrun); see the
+launching guide for the `--` that passes such options through.
 """
 
 _LAUNCH_EPILOG = """\
@@ -85,6 +87,14 @@ example:
   fshard consolidate checkpoints/step_100 model.safetensors
   python -c "from safetensors.torch import load_file; print(list(load_file('model.safetensors')))"
 """
+
+_COMMANDS = ("launch", "consolidate")
+# Sub-commands that SPEC.md plans but this version does not have -> a pointer for now. They get
+# an error that says so instead of argparse's bare "invalid choice"; no stubs that pretend to work.
+_PLANNED_COMMANDS = {
+    "bench": " To time a training step, run benchmarks/step_bench.py from the source tree.",
+    "estimate": "",
+}
 
 _RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 _DEFAULT_RDZV = "c10d"
@@ -139,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--master-addr", "--master_addr", "--main_process_ip", metavar="HOST",
-        help="address of node 0 / the rendezvous (default: main_process_ip, else 127.0.0.1)",
+        help="address of node 0 / the rendezvous (default: main_process_ip, else 127.0.0.1 "
+        "on one machine; required on several)",
     )
     launch.add_argument(
         "--master-port", "--master_port", "--main_process_port", type=int, metavar="PORT",
@@ -168,9 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the torch.distributed.run command and environment, and exit",
     )
     launch.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
-    launch.add_argument(
+    script_args = launch.add_argument(
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
     )
+    # argparse marks a REMAINDER positional required, so a bare `fshard launch` would say
+    # "required: SCRIPT, ARGS"; the script's arguments are optional.
+    script_args.required = False
 
     consolidate = commands.add_parser(
         "consolidate",
@@ -227,7 +241,8 @@ def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _fre
     """Build the ``torch.distributed.run`` arguments for parsed ``fshard launch`` args (pure).
 
     Flags win over the config file, which wins over the defaults (one machine, one process,
-    127.0.0.1, a free port). Raises ``LaunchError`` naming the flag or key for an impossible
+    127.0.0.1, a free port). Several machines need an address for machine 0 (a flag or
+    ``main_process_ip``). Raises ``LaunchError`` naming the flag or key for an impossible
     layout.
 
     Example:
@@ -264,7 +279,20 @@ def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _fre
     node_rank = args.node_rank if args.node_rank is not None else layout.machine_rank or 0
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank must be in 0..{nnodes - 1} for {nnodes} machine(s), got {node_rank}")
-    addr = args.master_addr or layout.main_process_ip or "127.0.0.1"
+    addr = args.master_addr or layout.main_process_ip
+    if not addr:
+        if nnodes > 1:
+            # 127.0.0.1 would have every machine wait on its own loopback until the rendezvous
+            # times out. An explicit loopback address stays allowed (several "nodes" on one host).
+            if args.nnodes is not None:
+                needs = f"--nnodes {nnodes} needs --master-addr (or main_process_ip in the config)"
+            else:
+                needs = (
+                    f"num_machines: {nnodes} in {args.config_file!r} needs main_process_ip in "
+                    "the config (or --master-addr)"
+                )
+            raise LaunchError(f"{needs}: the address of machine 0, which every machine can reach")
+        addr = "127.0.0.1"
     port = args.master_port or layout.main_process_port
     if port is None:
         port = free_port() if nnodes == 1 else _MULTI_NODE_PORT
@@ -334,7 +362,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         return 2
     try:
         plan = plan_launch(args)
-    except (LaunchError, ValueError, FileNotFoundError) as exc:
+    except (LaunchError, ValueError, OSError) as exc:  # OSError: the config file is missing, ...
         _error(f"launch: {exc}")
         return 2
     if args.dry_run:
@@ -381,6 +409,30 @@ def _for_safetensors(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _newest_inside_hint(path: str) -> str:
+    """For a directory that holds checkpoints rather than being one (a run's --checkpoint-dir,
+    with step-000003/, step-000006/ inside): a hint naming the newest complete one, else ''."""
+    from fshard.checkpoint import MANIFEST, latest
+
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST)):
+        return ""
+    newest = latest(path)
+    if newest is None:
+        return ""
+    return f"; did you mean {newest} (the newest complete checkpoint there)?"
+
+
+def _chmod_like_a_new_file(path: Path) -> None:
+    """Give ``path`` the mode of a file made by ``open(path, "w")`` (0o666 less the umask).
+
+    safetensors creates its file with mode 0600, so a consolidated model would be unreadable by
+    the group and others that can read everything else the user writes.
+    """
+    umask = os.umask(0)  # reading the umask means setting it; restored at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _run_consolidate(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.exists() and not args.force:
@@ -394,11 +446,12 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         # A checkpoint dir briefly missing after a crash mid-save is recovered by consolidate.
         full = consolidate(args.checkpoint)
     except CheckpointError as exc:
-        _error(f"consolidate: {exc}")
+        _error(f"consolidate: {exc}{_newest_inside_hint(args.checkpoint)}")
         return 2
     tensors = _for_safetensors(full)
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output), metadata={"format": "pt"})
+    _chmod_like_a_new_file(output)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({nbytes / 2**20:.1f} MiB) to {output}")
     return 0
@@ -420,7 +473,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    words = list(sys.argv[1:] if argv is None else argv)
+    # The top-level parser has no option that takes a value, so the first word is the command.
+    command = next((word for word in words if not word.startswith("-")), None)
+    if command in _PLANNED_COMMANDS:
+        parser.error(
+            f"argument COMMAND: {command!r} is not available in this version of fshard (it is "
+            f"planned); the commands are {', '.join(_COMMANDS)}.{_PLANNED_COMMANDS[command]}"
+        )
+    args = parser.parse_args(words)
     if args.command == "launch":
         return _run_launch(args)
     if args.command == "consolidate":

@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 import yaml
 
-from fshard.cli import LaunchError, _exit_status, build_parser, main, plan_launch, root_failure
+from fshard.cli import (
+    _COMMANDS,
+    LaunchError,
+    _exit_status,
+    _newest_inside_hint,
+    build_parser,
+    main,
+    plan_launch,
+    root_failure,
+)
 from tests.accelerate_samples import GUIDE, sample
 
 
@@ -68,6 +77,31 @@ def test_subcommand_help(command: str, texts: list[str], capsys: pytest.CaptureF
     out = capsys.readouterr().out
     for text in texts:
         assert text in out, text
+
+
+@pytest.mark.parametrize("command", ["bench", "estimate"])
+def test_planned_commands_say_they_are_not_available(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--steps", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument COMMAND: {command!r} is not available in this version of fshard (it is planned)" in err
+    assert "the commands are launch, consolidate." in err
+    assert "invalid choice" not in err
+    for name in _COMMANDS:  # every command the message offers exists
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+    capsys.readouterr()
+
+
+def test_launch_without_a_script_names_only_script(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("fshard launch: error: the following arguments are required: SCRIPT")
+    assert build_parser().parse_args(["launch", "t.py"]).script_args == []
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -153,6 +187,44 @@ def test_several_machines_without_a_port_use_29500() -> None:
     assert flags["--rdzv-endpoint"] == "10.1.1.1:29500"
 
 
+@pytest.mark.parametrize(
+    ("argv", "config", "message"),
+    [
+        (["--nnodes", "2"], None, "--nnodes 2 needs --master-addr (or main_process_ip in the config): "
+         "the address of machine 0, which every machine can reach"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "1"], None,
+         "--nnodes 2 needs --master-addr"),
+        ([], {"num_machines": 2, "num_processes": 2, "main_process_ip": None},
+         "num_machines: 2 in '{config}' needs main_process_ip in the config (or --master-addr): "
+         "the address of machine 0"),
+        (["--nnodes", "2"], {"num_machines": 1}, "--nnodes 2 needs --master-addr (or main_process_ip in the config)"),
+    ],
+    ids=["flag", "flag-static", "config", "flag-over-config"],
+)  # fmt: skip
+def test_several_machines_need_the_address_of_machine_0(
+    argv: list[str], config: dict[str, Any] | None, message: str, tmp_path: Path
+) -> None:
+    # Defaulting to 127.0.0.1 would have each machine wait on its own loopback until timeout.
+    if config is not None:
+        path = tmp_path / "multi.yaml"
+        path.write_text(yaml.safe_dump(sample("guide", **config)))
+        argv = ["--config_file", str(path), *argv]
+        message = message.format(config=path)
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        _plan([*argv, "t.py"])
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_several_nodes_on_an_explicit_loopback_address(host: str, tmp_path: Path) -> None:
+    # Several "nodes" on one host (tests/test_launch.py does this): allowed when asked for.
+    flags = _flags(_plan(["--nnodes", "2", "--master-addr", host, "t.py"]).torchrun_args)
+    assert flags["--rdzv-endpoint"] == f"{host}:29500" and flags["--local-addr"] == host
+    config = tmp_path / "local.yaml"
+    config.write_text(yaml.safe_dump(sample("guide", num_machines=2, main_process_ip=host)))
+    flags = _flags(_plan(["--config_file", str(config), "t.py"]).torchrun_args)
+    assert (flags["--nnodes"], flags["--master-addr"]) == ("2", host)
+
+
 def test_module_flag() -> None:
     plan = _plan(["-m", "pkg.train", "--x"])
     assert plan.torchrun_args[-3:] == ("--module", "pkg.train", "--x")
@@ -219,6 +291,8 @@ def test_launch_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.Capt
     assert "distributed_type: 'DEEPSPEED' is not supported" in capsys.readouterr().err
     assert main(["launch", "--config_file", str(tmp_path / "none.yaml"), str(script)]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["launch", "--config_file", str(tmp_path), str(script)]) == 2
+    assert f"FSDP config file {str(tmp_path)!r} is a directory, not a file" in capsys.readouterr().err
 
 
 def test_consolidate_refuses_missing_checkpoint_and_existing_output(
@@ -231,6 +305,60 @@ def test_consolidate_refuses_missing_checkpoint_and_existing_output(
     out.write_bytes(b"")
     assert main(["consolidate", str(tmp_path), str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
+
+
+def _fake_checkpoint(path: Path, created: float) -> None:
+    """A directory that fshard.checkpoint takes for a complete checkpoint (a manifest only)."""
+    import fshard.checkpoint as ckpt
+
+    path.mkdir()
+    body = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "created": created}
+    (path / ckpt.MANIFEST).write_bytes(ckpt._manifest_bytes(body))
+
+
+def test_consolidate_of_a_run_root_suggests_its_newest_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What examples/train_gpt.py --checkpoint-dir leaves: step-NNNNNN/ checkpoints, the last one
+    # half-written by a crash.
+    root = tmp_path / "run"
+    root.mkdir()
+    _fake_checkpoint(root / "step-000003", created=3.0)
+    _fake_checkpoint(root / "step-000006", created=6.0)
+    (root / "step-000009").mkdir()
+    assert _newest_inside_hint(str(root)) == (
+        f"; did you mean {root / 'step-000006'} (the newest complete checkpoint there)?"
+    )
+    # No hint for a checkpoint that is one (or was meant to be), nor for a directory without any.
+    assert _newest_inside_hint(str(root / "step-000009")) == ""
+    assert _newest_inside_hint(str(root / "step-000006")) == ""
+    assert _newest_inside_hint(str(tmp_path / "missing")) == ""
+    assert main(["consolidate", str(root), str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"{root} is not a complete fshard checkpoint: fshard.json is missing" in err
+    assert err.rstrip().endswith(f"did you mean {root / 'step-000006'} (the newest complete checkpoint there)?")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_consolidate_output_mode_follows_the_umask(
+    umask: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # safetensors creates its file 0600; the consolidated model should read like any new file.
+    import os
+
+    import torch
+
+    import fshard.checkpoint
+
+    monkeypatch.setattr(fshard.checkpoint, "consolidate", lambda path: {"w": torch.ones(2)})
+    out = tmp_path / "model.safetensors"
+    previous = os.umask(umask)
+    try:
+        assert main(["consolidate", str(tmp_path), str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    capsys.readouterr()
 
 
 def test_consolidate_writes_safetensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -395,6 +395,8 @@ def test_all_problems_are_reported_at_once() -> None:
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"FSDP config file '.*missing.yaml' does not exist"):
         fshard.load_config(tmp_path / "missing.yaml")
+    with pytest.raises(IsADirectoryError, match=r"FSDP config file '.*' is a directory, not a file; pass the path of the YAML file"):
+        fshard.load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("fsdp_config: [unclosed\n")
     with pytest.raises(ValueError, match=r"FSDP config '.*bad.yaml' is not valid YAML"):
