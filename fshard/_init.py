@@ -38,8 +38,12 @@ def materialize(
     Only this rank's shards are kept. Each module that owns meta parameters or buffers is
     initialised with ``init_fn(module)`` if given, else its ``reset_parameters()``, on a temporary
     full-size copy of *its own* parameters; this rank's rows are kept. With the same seed the
-    result equals initialising the full model eagerly and then sharding it (see
-    [Note: materialize and the RNG]). Returns ``model``.
+    result equals initialising the full model eagerly and then sharding it, *provided* all of the
+    model's initialisation lives in its modules' ``reset_parameters()`` (or ``init_fn``): modules
+    are initialised one at a time in construction order, drawing from the global generator as
+    eager construction does. A model that re-initialises its weights in ``__init__`` (GPT-2 /
+    Hugging Face ``_init_weights`` style) needs ``init_fn`` doing the same per module.
+    Returns ``model``.
 
     Example:
         >>> with torch.device("meta"):          # doctest: +SKIP

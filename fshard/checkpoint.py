@@ -508,8 +508,8 @@ def save(
     """Save a sharded checkpoint of ``model`` (and ``optimizer``, and ``extra``) at ``path``.
 
     Collective: every rank calls it. Each rank writes only its shards through DCP; the write is
-    atomic ([Note: atomic checkpoints]), so a crash leaves the previous checkpoint at ``path``
-    loadable. ``extra`` is per-rank user state: JSON-like values (None, bool, int, float, str,
+    atomic (written to a temporary sibling directory, then renamed), so a crash leaves the
+    previous checkpoint at ``path`` loadable. ``extra`` is per-rank user state: JSON-like values (None, bool, int, float, str,
     lists, tuples, dicts) and tensors, e.g. ``{"step": 100, "rng": torch.get_rng_state()}``;
     ``load`` gives each rank back what it saved.
 
