@@ -40,6 +40,13 @@ class MLPSpec:
     whose forward is skipped on odd steps. ``repeat_layer``: a layer called twice per forward.
     ``scalar_param``: add a 0-d learnable scale. ``checkpoint``: wrap each layer's call in
     ``torch.utils.checkpoint`` (``"around"`` the unit) or not (``"none"``).
+
+    Example:
+        >>> from fshard.testing.models import MLPSpec, build_model
+        >>> spec = MLPSpec(in_dim=4, widths=(8, 2), frozen=(0,))
+        >>> model = build_model(spec)
+        >>> [(tuple(p.shape), p.requires_grad) for p in model.parameters()]
+        [((8, 4), False), ((8,), False), ((2, 8), True), ((2,), True)]
     """
 
     in_dim: int = 5
@@ -61,6 +68,13 @@ class TransformerSpec:
 
     ``checkpoint``: activation checkpointing of each block's attention (``"inside"`` a unit) or of
     each block (``"around"`` the unit), reentrant or not (``reentrant``).
+
+    Example:
+        >>> from fshard.testing.models import TransformerSpec, build_model
+        >>> spec = TransformerSpec(vocab=11, dim=6, heads=2, layers=1, checkpoint="inside")
+        >>> model = build_model(spec)
+        >>> len(model.blocks), model.head.weight is model.embed.weight
+        (1, True)
     """
 
     vocab: int = 11
@@ -84,6 +98,17 @@ ModelSpec = MLPSpec | TransformerSpec
 
 
 class MLP(nn.Module):
+    """The model of an ``MLPSpec``: ``tanh`` between layers; ``forward(x, skip)`` skips
+    ``spec.skip_layer`` when ``skip`` is true.
+
+    Example:
+        >>> import torch
+        >>> from fshard.testing.models import MLP, MLPSpec
+        >>> mlp = MLP(MLPSpec(in_dim=5, widths=(5, 3), skip_layer=0))
+        >>> mlp(torch.zeros(2, 5)).shape, mlp(torch.zeros(2, 5), skip=True).shape
+        (torch.Size([2, 3]), torch.Size([2, 3]))
+    """
+
     def __init__(self, spec: MLPSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -150,6 +175,17 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
+    """The model of a ``TransformerSpec``: token ids ``(batch, seq)`` to logits
+    ``(batch, seq, vocab)``.
+
+    Example:
+        >>> import torch
+        >>> from fshard.testing.models import TinyTransformer, TransformerSpec
+        >>> model = TinyTransformer(TransformerSpec(vocab=11, seq=5))
+        >>> model(torch.zeros(2, 5, dtype=torch.long)).shape
+        torch.Size([2, 5, 11])
+    """
+
     def __init__(self, spec: TransformerSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -175,7 +211,20 @@ class TinyTransformer(nn.Module):
 
 
 def build_model(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
-    """Build the model for ``spec`` with its seed (identical on every rank)."""
+    """Build the model for ``spec`` with its seed (identical on every rank).
+
+    The global RNG state is left as it was.
+
+    Example:
+        >>> import torch
+        >>> from fshard.testing.models import MLPSpec, build_model
+        >>> spec = MLPSpec(dtype=torch.float64, seed=3)
+        >>> a, b = build_model(spec), build_model(spec)
+        >>> all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+        True
+        >>> a.layers[0].weight.dtype
+        torch.float64
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = MLP(spec) if isinstance(spec, MLPSpec) else TinyTransformer(spec)
@@ -183,7 +232,26 @@ def build_model(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Modul
 
 
 def make_batch(spec: ModelSpec, step: int, rank: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
-    """A deterministic batch for ``step`` on ``rank`` (ranks see different data)."""
+    """A deterministic batch for ``step`` on ``rank`` (ranks see different data).
+
+    An MLP batch is ``(x, skip)`` (``skip`` is true on odd steps when the spec skips a layer); a
+    transformer batch is ``(tokens, targets)``, the targets being the tokens shifted by one.
+
+    Example:
+        >>> import torch
+        >>> from fshard.testing.models import MLPSpec, TransformerSpec, make_batch
+        >>> x, skip = make_batch(MLPSpec(widths=(5, 3), skip_layer=0), step=1, rank=0)
+        >>> x.shape, skip
+        (torch.Size([3, 5]), True)
+        >>> spec = MLPSpec()
+        >>> torch.equal(make_batch(spec, 0, rank=0)[0], make_batch(spec, 0, rank=0)[0])
+        True
+        >>> torch.equal(make_batch(spec, 0, rank=0)[0], make_batch(spec, 0, rank=1)[0])
+        False
+        >>> tokens, targets = make_batch(TransformerSpec(), step=0, rank=0)
+        >>> tokens.shape, torch.equal(tokens[:, 1:], targets[:, :-1])
+        (torch.Size([2, 5]), True)
+    """
     gen = torch.Generator().manual_seed(10_000 * (spec.seed + 1) + 100 * step + rank)
     if isinstance(spec, MLPSpec):
         x = torch.randn(spec.batch_size, spec.in_dim, generator=gen, dtype=spec.dtype)
@@ -199,7 +267,23 @@ def model_inputs(spec: ModelSpec, batch: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def compute_loss(spec: ModelSpec, model: nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
-    """Forward ``batch`` through ``model`` and return the scalar loss."""
+    """Forward ``batch`` through ``model`` and return the scalar loss.
+
+    The mean square of the output for an MLP, next-token cross-entropy for a transformer; both
+    computed in float32.
+
+    Example:
+        >>> from fshard.testing.models import (
+        ...     MLPSpec, TransformerSpec, build_model, compute_loss, make_batch,
+        ... )
+        >>> for spec in (MLPSpec(), TransformerSpec()):
+        ...     model = build_model(spec)
+        ...     loss = compute_loss(spec, model, make_batch(spec, step=0, rank=0))
+        ...     loss.backward()
+        ...     print(type(spec).__name__, loss.shape, loss.dtype)
+        MLPSpec torch.Size([]) torch.float32
+        TransformerSpec torch.Size([]) torch.float32
+    """
     output = model(*model_inputs(spec, batch))
     if isinstance(spec, MLPSpec):
         return output.float().pow(2).mean()
@@ -207,7 +291,21 @@ def compute_loss(spec: ModelSpec, model: nn.Module, batch: tuple[Any, ...]) -> t
 
 
 def shard_model(spec: ModelSpec, model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
-    """One unit per layer (MLP) or block (transformer), then the root."""
+    """One unit per layer (MLP) or block (transformer), then the root.
+
+    ``kwargs`` go to every ``fshard.fully_shard`` call (``reshard_after_forward``,
+    ``mp_policy``, ...). Returns ``model``.
+
+    Example:
+        >>> from fshard.testing import mesh_for
+        >>> from fshard.testing.models import MLPSpec, build_model, shard_model
+        >>> spec = MLPSpec(in_dim=5, widths=(7, 3))
+        >>> mesh = mesh_for((2,))  # on each rank of a 2-rank pool  # doctest: +SKIP
+        >>> model = shard_model(spec, build_model(spec), mesh)  # doctest: +SKIP
+        >>> w = model.layers[0].weight  # doctest: +SKIP
+        >>> w.full_shape, w.to_local().shape  # on rank 0  # doctest: +SKIP
+        (torch.Size([7, 5]), torch.Size([4, 5]))
+    """
     import fshard
 
     if isinstance(spec, MLPSpec):

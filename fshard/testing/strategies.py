@@ -39,7 +39,25 @@ def divisor_pairs(n: int) -> list[tuple[int, int]]:
 
 
 def mesh_shapes(*, world_size: int, allow_2d: bool = True) -> st.SearchStrategy[tuple[int, ...]]:
-    """A 1D ``(world_size,)`` mesh or a 2D ``(replicate, shard)`` mesh over ``world_size`` ranks."""
+    """A 1D ``(world_size,)`` mesh or a 2D ``(replicate, shard)`` mesh over ``world_size`` ranks.
+
+    Example:
+        >>> mesh_shapes(world_size=4)
+        sampled_from([(4,), (1, 4), (2, 2), (4, 1)])
+        >>> import functools
+        >>> from hypothesis import given
+        >>> from fshard.testing import assert_equivalent_to_ddp, models
+        >>> spec = models.MLPSpec()
+        >>> @given(mesh_shapes(world_size=4))
+        ... def test_mlp_matches_ddp(mesh_shape):
+        ...     assert_equivalent_to_ddp(
+        ...         functools.partial(models.build_model, spec),
+        ...         batch_fn=functools.partial(models.make_batch, spec),
+        ...         shard_fn=functools.partial(models.shard_model, spec),
+        ...         world_size=4,
+        ...         mesh_shape=mesh_shape,
+        ...     )
+    """
     if world_size < 1:
         raise ValueError(f"mesh_shapes: world_size must be >= 1, got {world_size}")
     options: list[tuple[int, ...]] = [(world_size,)]
@@ -59,6 +77,18 @@ def mlp_specs(
 
     With ``corner_cases`` the spec may freeze layers, skip a layer on odd steps, call a unit
     twice per forward, add a 0-d parameter, or checkpoint around each layer.
+
+    Example:
+        >>> from hypothesis import given
+        >>> from fshard.testing.models import build_model, compute_loss, make_batch
+        >>> @given(mlp_specs(max_layers=2))
+        ... def test_loss_is_finite(spec):
+        ...     loss = compute_loss(spec, build_model(spec), make_batch(spec, step=0, rank=0))
+        ...     assert loss.isfinite()
+        >>> mlp_specs(max_layers=0)
+        Traceback (most recent call last):
+            ...
+        ValueError: mlp_specs: max_layers and max_width must be >= 1
     """
     if max_layers < 1 or max_width < 1:
         raise ValueError("mlp_specs: max_layers and max_width must be >= 1")
@@ -103,7 +133,17 @@ def transformer_specs(
     *, max_layers: int = 2, dtype: torch.dtype = torch.float32
 ) -> st.SearchStrategy[TransformerSpec]:
     """Tiny GPT-style specs: odd vocabularies and widths, tied or untied, checkpointed (reentrant
-    or not) or not."""
+    or not) or not.
+
+    Example:
+        >>> from hypothesis import given
+        >>> from fshard.testing.models import build_model, make_batch
+        >>> @given(transformer_specs(max_layers=1))
+        ... def test_logits_shape(spec):
+        ...     tokens, targets = make_batch(spec, step=0, rank=0)
+        ...     logits = build_model(spec)(tokens)
+        ...     assert logits.shape == (spec.batch_size, spec.seq, spec.vocab)
+    """
 
     @st.composite
     def build(draw: st.DrawFn) -> TransformerSpec:
@@ -128,10 +168,42 @@ def transformer_specs(
 
 
 def model_specs(*, dtype: torch.dtype = torch.float32) -> st.SearchStrategy[ModelSpec]:
-    """Either an MLP or a tiny transformer."""
+    """Either an MLP or a tiny transformer.
+
+    Example:
+        >>> import functools
+        >>> import torch
+        >>> from hypothesis import given
+        >>> from fshard.testing import assert_equivalent_to_ddp, models
+        >>> @given(model_specs(dtype=torch.float64))
+        ... def test_matches_ddp(spec):
+        ...     skips = isinstance(spec, models.MLPSpec) and spec.skip_layer is not None
+        ...     assert_equivalent_to_ddp(
+        ...         functools.partial(models.build_model, spec),
+        ...         batch_fn=functools.partial(models.make_batch, spec),
+        ...         loss_fn=functools.partial(models.compute_loss, spec),
+        ...         shard_fn=functools.partial(models.shard_model, spec),
+        ...         ddp_kwargs={"find_unused_parameters": True} if skips else None,
+        ...         rtol=1e-9,
+        ...         atol=1e-11,
+        ...     )
+    """
     return st.one_of(mlp_specs(dtype=dtype), transformer_specs(dtype=dtype))
 
 
 def param_shapes(*, max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy[tuple[int, ...]]:
-    """Parameter shapes including 0-d, empty dims and sides smaller than any world size."""
+    """Parameter shapes including 0-d, empty dims and sides smaller than any world size.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import given
+        >>> from fshard.transforms import Layout, TensorLayout, shard, unshard
+        >>> @given(param_shapes())
+        ... def test_round_trip(shape):
+        ...     placement = ("S(0)",) if shape else ("R",)  # a 0-d tensor can only be replicated
+        ...     layout = Layout((3,), {"w": TensorLayout(shape, "float32", (3,), placement)})
+        ...     sd = {"w": torch.rand(shape)}
+        ...     shards = {coord: shard(sd, layout, coord) for coord in layout.coords()}
+        ...     assert torch.equal(unshard(shards, layout)["w"], sd["w"])
+    """
     return st.lists(st.integers(0, max_side), min_size=0, max_size=max_dims).map(tuple)
