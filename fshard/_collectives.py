@@ -121,8 +121,10 @@ def _nbytes(t: torch.Tensor) -> int:
 _HINT = (
     "Usual causes: a peer rank stopped, crashed or timed out; or the ranks ran different units "
     "(or the same units in a different order) in this step, e.g. a unit called on only some ranks "
-    "by data-dependent control flow. Every rank must run each unit's forward and backward the same "
-    "way. Set FSHARD_DEBUG=1 to compare the ranks' collectives after every backward."
+    "by data-dependent control flow, or a unit whose output reached the loss on only some ranks "
+    "(so only they ran its backward). Every rank must run each unit's forward and backward the "
+    "same way: where a unit's output is unused on a rank, add 0 * output.sum() to that rank's "
+    "loss. Set FSHARD_DEBUG=1 to compare the ranks' collectives after every backward."
 )
 
 
