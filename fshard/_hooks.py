@@ -24,6 +24,8 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -103,7 +105,32 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             _CHECKED_OPTIMIZERS.add(optimizer)  # checked once it has sharded parameters
         else:  # look again only after new units were made (its params may be sharded then)
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
+    if optimizer in _CHECKED_OPTIMIZERS and _stepped_by_unsharded_scaler():
+        raise TypeError(
+            "optimizer.step() was called by torch.amp.GradScaler on fshard's sharded "
+            "parameters: it looks for inf/nan in this rank's gradient shards only, so ranks "
+            "would skip different steps and the model would silently diverge. Use "
+            "fshard.ShardedGradScaler (same arguments), which agrees across ranks."
+        )
     _check_step_sees_reduced_grads(optimizer, *args)
+
+
+_SCALER_STEP = torch.amp.GradScaler._maybe_opt_step.__code__
+
+
+def _stepped_by_unsharded_scaler() -> bool:
+    """Whether a ``torch.amp.GradScaler`` that is not a ``ShardedGradScaler`` called this step
+    (a look at the few frames between the hook and the caller of ``optimizer.step``)."""
+    from fshard._amp import ShardedGradScaler
+
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code is _SCALER_STEP:
+            return not isinstance(frame.f_locals.get("self"), ShardedGradScaler)
+        frame = frame.f_back
+    return False
 
 
 def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:

@@ -354,3 +354,27 @@ def _adagrad_before_sharding_worker():
 def test_optimizer_with_constructor_state_built_before_sharding():
     """Adagrad fills its state in its constructor; never stepped, it still works (SPEC §1)."""
     assert all(get_pool(3).run(_adagrad_before_sharding_worker))
+
+
+def _torch_grad_scaler_worker():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    plain = copy.deepcopy(model)
+    fshard.fully_shard(model, mesh=mesh_for((dist.get_world_size(),)))
+    for m, scaler_type in ((plain, torch.amp.GradScaler), (model, fshard.ShardedGradScaler)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = scaler_type("cpu", init_scale=4.0)
+        scaler.scale(m(torch.randn(2, 4)).sum()).backward()
+        scaler.step(opt)  # torch's scaler on a plain model, fshard's on a sharded one: fine
+        scaler.update()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    with pytest.raises(TypeError, match="Use fshard.ShardedGradScaler"):
+        scaler.step(opt)
+    return True
+
+
+def test_torch_grad_scaler_on_sharded_params_is_a_clear_error():
+    """torch's scaler checks this rank's shards only: ranks would skip different steps."""
+    assert all(get_pool(2).run(_torch_grad_scaler_worker))
