@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -55,6 +57,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         super().unscale_(optimizer)  # raises if this optimizer was already unscaled this step
         if dist.is_available() and dist.is_initialized():
             self._sync_found_inf(optimizer)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The inf/nan check of ``step`` for optimizers that unscale inside their own step
+        (fused Adam/AdamW/SGD: ``step`` skips ``unscale_``): agreed across ranks too."""
+        super()._check_inf_per_device(optimizer)
+        if dist.is_available() and dist.is_initialized():
+            self._sync_found_inf(optimizer)
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _sync_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]

@@ -3,25 +3,29 @@
 [Note: materialize and the RNG]
 ``torch.manual_seed(s); model = Model()`` initialises each module in construction order, each
 drawing its values from the global generator. To give *identical* shards without ever holding
-the whole model, ``materialize`` walks the modules in the same (pre-)order and, for one module at
-a time, allocates that module's own parameters at full size, runs its ``reset_parameters()`` (or
-``init_fn``), keeps this rank's rows and frees the rest. Peak extra memory is one module's
-parameters. A parameter shared by several modules (a tied head) is initialised by the first of
-them; later ones still run their initialiser on a scratch tensor, so the generator advances
-exactly as in eager construction, where the head's own weight was initialised and then replaced
-by the tie.
+the whole model, ``materialize`` walks the modules in the same order (children before their
+parent: a module's ``reset_parameters()`` runs at the end of its ``__init__``, once its children
+were built) and, for one module at a time, allocates that module's own parameters at full size,
+runs its ``reset_parameters()`` (or ``init_fn``), keeps this rank's rows and frees the rest. Peak
+extra memory is one module's parameters. A parameter shared by several modules (a tied head) is
+initialised by the first of them in that order; later ones still run their initialiser on a
+scratch tensor, so the generator advances exactly as in eager construction, where the head's own
+weight was initialised and then replaced by the tie. (If the tie's source comes *after* the
+module that adopts its weight, eager keeps the source's values and materialize the first
+module's: a known difference.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from fshard._errors import ProblemList
 from fshard._hooks import units_under
+from fshard._param import _set_data
 from fshard._sharded import is_sharded
 
 __all__ = ["materialize"]
@@ -75,9 +79,9 @@ def materialize(
                 for s in group.slots
             ]
             group.set_slots(group.slots, zeros)
-    # 2. Initialise module by module, in construction (pre-)order.
+    # 2. Initialise module by module, children before their parent (see the module docstring).
     done: set[int] = set()
-    for module in model.modules():
+    for module in _post_order(model, set()):
         own = list(module._parameters.items())
         meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         needs = [(n, p) for n, p in own if p is not None and id(p) in meta_params]
@@ -90,6 +94,27 @@ def materialize(
     return model
 
 
+def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
+    """Each module once, after its children: the order eager construction initialises them
+    (a module's ``reset_parameters()`` runs at the end of its ``__init__``, after its children
+    were built and initialised), and the order of ``nn.Module.apply``."""
+    seen.add(id(module))
+    for child in module.children():
+        if id(child) not in seen:
+            yield from _post_order(child, seen)
+    yield module
+
+
+def _initialiser(module: nn.Module) -> Callable[[], None] | None:
+    """``reset_parameters``, or the private ``_reset_parameters`` some torch modules use
+    (``nn.MultiheadAttention``)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
+
+
 def _check_initialisers(
     model: nn.Module, meta_params: set[int], init_fn: Callable[[nn.Module], None] | None
 ) -> None:
@@ -99,7 +124,7 @@ def _check_initialisers(
     for name, module in model.named_modules():
         owns_meta = any(p is not None and id(p) in meta_params for p in module._parameters.values())
         owns_meta = owns_meta or any(b is not None and b.is_meta for b in module._buffers.values())
-        if owns_meta and not callable(getattr(module, "reset_parameters", None)):
+        if owns_meta and _initialiser(module) is None:
             problems.add(
                 f"module {name or '<root>'!r} ({type(module).__name__}) owns meta parameters or "
                 "buffers but has no reset_parameters()"
@@ -126,7 +151,9 @@ def _init_module(
             if init_fn is not None:
                 init_fn(module)
             else:
-                module.reset_parameters()  # type: ignore[operator]  # checked in _check_initialisers
+                initialiser = _initialiser(module)
+                assert initialiser is not None  # checked in _check_initialisers
+                initialiser()
     finally:
         initialised = dict(module._parameters)
         module._parameters.update(originals)
@@ -142,5 +169,5 @@ def _init_module(
                 layout = param._fshard_slot.layout
                 local = value if layout.replicated else value.narrow(0, layout.row_offset, layout.local_shape[0])
                 param.copy_(local.to(param.device))
-            else:
-                param.data = value.detach().to(device)
+            else:  # not sharded (ignored_params): the same object, now with real storage
+                _set_data(param, value.detach().to(device))

@@ -168,7 +168,7 @@ def _init_fn_worker():
     ref.to_empty(device="cpu")
     torch.manual_seed(3)
     seen = set()
-    for module in ref.modules():
+    for module in _children_first(ref):
         own = [id(p) for p in module.parameters(recurse=False)]
         if own and all(i in seen for i in own) and not module._buffers:
             saved = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
@@ -187,6 +187,56 @@ def test_materialize_with_init_fn():
         for name, value in lazy.items():
             assert torch.equal(value, ref[name].detach()), name
         assert torch.equal(scale, torch.full((6,), 2.0))
+
+
+def _children_first(module):
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+class Scaled(nn.Module):
+    """Own parameters next to a child's, initialised at the end of ``__init__`` as torch's own
+    modules do: eager construction initialises the child first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.scale = nn.Parameter(torch.empty(6))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.scale)
+
+
+class InitOrderNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaled = Scaled()
+        self.layer = nn.TransformerEncoderLayer(6, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+        self.extra = nn.Linear(6, 3)  # left unsharded through ignored_params
+
+
+def _init_order_worker():
+    mesh = mesh_for((dist.get_world_size(),))
+    torch.manual_seed(5)
+    eager = InitOrderNet()
+    with torch.device("meta"):
+        lazy = InitOrderNet()
+    fshard.fully_shard(lazy.layer, mesh=mesh)
+    fshard.fully_shard(lazy, mesh=mesh, ignored_params={lazy.extra.weight})
+    torch.manual_seed(5)
+    fshard.materialize(lazy)
+    for name, p in lazy.named_parameters():
+        value = p.full_tensor() if fshard.is_sharded(p) else p
+        assert not value.is_meta and torch.equal(value, eager.get_parameter(name).detach()), name
+    return True
+
+
+def test_materialize_initialises_children_first_and_ignored_params():
+    """A module's own params are initialised after its children's (eager order), torch modules
+    with ``_reset_parameters`` (MultiheadAttention) work, and ignored meta params get storage."""
+    assert all(get_pool(2).run(_init_order_worker))
 
 
 class NoReset(nn.Module):

@@ -378,3 +378,30 @@ def _torch_grad_scaler_worker():
 def test_torch_grad_scaler_on_sharded_params_is_a_clear_error():
     """torch's scaler checks this rank's shards only: ranks would skip different steps."""
     assert all(get_pool(2).run(_torch_grad_scaler_worker))
+
+
+def _fused_scaler_worker():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    fshard.fully_shard(model, mesh=mesh_for((dist.get_world_size(),)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)  # unscales inside its step
+    scaler = fshard.ShardedGradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    scales, weights = [], []
+    for step in range(3):
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        if step == 1 and dist.get_rank() == 1:
+            model[0].weight.grad[0, 0] = float("inf")  # on one rank's shard only
+        before = model[0].weight.detach().clone()
+        scaler.step(opt)  # no unscale_ first: the step's own check must agree across ranks
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        weights.append(torch.equal(before, model[0].weight.detach()))
+    return scales, weights
+
+
+def test_sharded_grad_scaler_agrees_with_fused_optimizers():
+    results = get_pool(2).run(_fused_scaler_worker)
+    assert results[0] == results[1]
+    scales, unchanged = results[0]
+    assert scales == [2048.0, 1024.0, 2048.0] and unchanged == [False, True, False]
