@@ -366,6 +366,8 @@ class ParamGroup:
         with phase(f"fshard::post_backward({self.trace_name})"):
             if self.requires_gradient_sync or self.reduce_scatter_while_accumulating:
                 self.reduce_grads()
+            else:
+                self.accumulate_unsynced_grads()
         self.training_state = TrainingState.POST_BACKWARD
         self._maybe_finish_backward()
         root = self.root
@@ -390,8 +392,40 @@ class ParamGroup:
 
     def has_unsharded_grads(self) -> bool:
         return any(
-            s.unsharded_param is not None and s.unsharded_param.grad is not None for s in self.slots
+            s.accumulated_grad is not None
+            or (s.unsharded_param is not None and s.unsharded_param.grad is not None)
+            for s in self.slots
         )
+
+    def reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        """The dtype gradients of ``bucket`` are reduced (and accumulated unsynced) in."""
+        mp = self.mp_policy
+        if mp is not None and mp.reduce_dtype is not None and bucket.compute_dtype.is_floating_point:
+            return mp.reduce_dtype
+        return bucket.compute_dtype
+
+    def accumulate_unsynced_grads(self) -> None:
+        """Under ``no_sync``: move this backward's full gradients into the reduce-dtype sums
+        where the reduce dtype is not the compute dtype, as DDP-equal accumulation needs."""
+        for bucket in self.buckets:
+            dtype = self.reduce_dtype(bucket)
+            if dtype == bucket.compute_dtype:
+                continue  # autograd's own accumulation into .grad is exact enough
+            for slot in bucket.slots:
+                unsharded = slot.unsharded_param
+                if unsharded is None or unsharded.grad is None:
+                    continue
+                grad, unsharded.grad = unsharded.grad, None
+                if slot.accumulated_grad is None:
+                    slot.accumulated_grad = grad.to(dtype)
+                else:
+                    slot.accumulated_grad.add_(grad)
+
+    def drop_unsharded_grads(self) -> None:
+        for slot in self.slots:
+            slot.accumulated_grad = None
+            if slot.unsharded_param is not None:
+                slot.unsharded_param.grad = None
 
     def reduce_grads(self) -> None:
         """Reduce-scatter (and on 2D meshes all-reduce) every bucket's unsharded grads."""
@@ -402,9 +436,10 @@ class ParamGroup:
                 continue
             # Reduced even with no gradient here: another rank may have some (and every rank
             # must issue the same collectives).
-            grads = [s.unsharded_param.grad if s.unsharded_param is not None else None for s in slots]
+            grads = [_summed_grad(s) for s in slots]
             pending = self._reduce_bucket(index, slots, grads)
             for slot in slots:
+                slot.accumulated_grad = None
                 if slot.unsharded_param is not None:
                     slot.unsharded_param.grad = None
             if root is not None:
@@ -419,11 +454,7 @@ class ParamGroup:
     ) -> PendingReduce:
         info = self.mesh_info
         size = info.shard_size
-        bucket = self.buckets[index]
-        reduce_dtype = bucket.compute_dtype
-        if self.mp_policy is not None and self.mp_policy.reduce_dtype is not None:
-            if bucket.compute_dtype.is_floating_point:
-                reduce_dtype = self.mp_policy.reduce_dtype
+        reduce_dtype = self.reduce_dtype(self.buckets[index])
         inputs = []
         offsets = [0]
         present = [g is not None for g in grads]
@@ -489,6 +520,15 @@ class ParamGroup:
             reduced = self._partials.pop(index)
             _collectives.all_reduce_(reduced.output, self.mesh_info.replicate_group, label=self.trace_name)
             reduced.assign()
+
+
+def _summed_grad(slot: ParamSlot) -> torch.Tensor | None:
+    """The slot's full gradient: this backward's plus any no_sync sum kept in the reduce dtype."""
+    grad = slot.unsharded_param.grad if slot.unsharded_param is not None else None
+    accumulated = slot.accumulated_grad
+    if accumulated is None:
+        return grad
+    return accumulated if grad is None else accumulated.add_(grad)
 
 
 def _used_while_sharded(fqn: str, unit: str) -> Callable[[torch.Tensor], None]:

@@ -398,6 +398,8 @@ class RootState:
                 if syncing and not group._reduced and group.has_unsharded_grads():
                     group._reduced = True
                     group.reduce_grads()
+                elif not syncing:
+                    group.accumulate_unsynced_grads()  # units whose grads did not all arrive
             self.finish_reduces()
             for group in self.groups:
                 group.flush_partials()
@@ -431,9 +433,7 @@ class RootState:
         for item in pending:
             item.discard()
         for group in self.groups:
-            for slot in group.slots:
-                if slot.unsharded_param is not None:
-                    slot.unsharded_param.grad = None
+            group.drop_unsharded_grads()
             group.reshard()
             group.reset_backward()
             group.training_state = TrainingState.IDLE

@@ -79,6 +79,9 @@ class ParamSlot:
         self.registrations: list[tuple[nn.Module, str]] = []
         self.unsharded_buffer: torch.Tensor | None = None  # 1D padded
         self.unsharded_param: nn.Parameter | None = None  # ND view of the buffer
+        # Full gradient summed over no_sync micro-batches in the reduce dtype, when that is wider
+        # than the compute dtype (autograd would keep summing in bf16 / fp16 otherwise).
+        self.accumulated_grad: torch.Tensor | None = None
         self.group_ref: Callable[[], ParamGroup | None] = lambda: None  # owning unit
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
 

@@ -7,8 +7,10 @@ averages gradients over ranks in ``reduce_dtype`` and steps the fp32 masters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -174,3 +176,31 @@ def test_mixed_precision_options_are_validated():
         fshard.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(TypeError, match="cast_forward_inputs must be a bool"):
         fshard.MixedPrecision(cast_forward_inputs="yes")  # type: ignore[arg-type]
+
+
+def _bf16_accumulation_worker(mesh_shape, reduce_scatter, micro_batches=12):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    mp = fshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model[0], mesh=mesh, mp_policy=mp)
+    fshard.fully_shard(model, mesh=mesh, mp_policy=mp)
+    rank = dist.get_rank()
+    for i in range(micro_batches):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + i)) + 3
+        sync = i == micro_batches - 1
+        with contextlib.nullcontext() if sync else fshard.no_sync(model, reduce_scatter=reduce_scatter):
+            model(x).float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_unsynced_accumulation_sums_in_the_reduce_dtype(mesh_shape):
+    """no_sync keeps its running sum in reduce_dtype (fp32), not in the bf16 of the gathered
+    params, so it equals sharded accumulation (which sums reduced fp32 shards)."""
+    pool = get_pool(math.prod(mesh_shape))
+    full = pool.run(_bf16_accumulation_worker, mesh_shape, False)
+    sharded = pool.run(_bf16_accumulation_worker, mesh_shape, True)
+    for a, b in zip(full, sharded, strict=True):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
