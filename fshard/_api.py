@@ -18,6 +18,7 @@ from fshard import _collectives
 from fshard._errors import ProblemList
 from fshard._group import ParamGroup, ShardedState
 from fshard._hooks import (
+    check_prefetch_targets,
     ensure_root_initialised,
     register_unit,
     unit_of,
@@ -409,6 +410,8 @@ def set_prefetch(
         raise TypeError(
             f"{where}: backward must be a list of units, a BackwardPrefetch or None, got {backward!r}"
         )
+    if group.root is not None:  # the model has run: its units are known (else checked then)
+        check_prefetch_targets(group.root.groups)  # type: ignore[attr-defined]  # RootState
 
 
 # ----------------------------------------------------------------------------- grad clipping

@@ -141,6 +141,7 @@ class ParamGroup:
         self.buckets: list[FlatBucket] = []
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
+        self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
         self.reduce_scatter_while_accumulating = False
@@ -342,6 +343,7 @@ class ParamGroup:
         self._input_waiters = 0
         self._inputs_ready = 0
         self._reduced = False
+        self._freed_in_backward = False
 
     def add_input_waiter(self) -> None:
         self._input_waiters += 1
@@ -370,9 +372,6 @@ class ParamGroup:
                 self.accumulate_unsynced_grads()
         self.training_state = TrainingState.POST_BACKWARD
         self._maybe_finish_backward()
-        root = self.root
-        if root is not None:
-            root.on_unit_backward_done(self)  # type: ignore[attr-defined]  # RootState
 
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
@@ -384,6 +383,11 @@ class ParamGroup:
             # the parent, may still need them): the end-of-backward callback frees the unit.
             return
         self.reshard()
+        if not self._freed_in_backward:
+            self._freed_in_backward = True
+            root = self.root
+            if root is not None:  # BACKWARD_POST prefetch: once this unit is freed
+                root.on_unit_backward_done(self)  # type: ignore[attr-defined]  # RootState
 
     def has_unreduced_grads(self) -> bool:
         """Gradients that no ``.grad`` shows yet: full ones kept under ``no_sync``, or (2D mesh,

@@ -313,6 +313,7 @@ class RootState:
         self._process_groups = _process_groups_of(groups)
         for process_group in self._process_groups:
             _collectives.start_recording(process_group)
+        check_prefetch_targets(groups)
 
     # Order and prefetch -----------------------------------------------------------------------
 
@@ -331,6 +332,16 @@ class RootState:
             self._recording = False
             self._recorded = True
             self._build_prefetch_plan()
+        # Free what was prefetched for a unit that then did not run (a skipped block, a wrong
+        # explicit list): no backward gathers it; after an inference forward, free everything.
+        inference = not torch.is_grad_enabled() and not self._grad_forward_pending
+        for group in self.groups:
+            if group.sharded_state is not ShardedState.SHARDED and (
+                inference or not group.ran_since_backward
+            ):
+                group.reshard()
+            if inference:
+                group.ran_since_backward = False
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
@@ -360,7 +371,7 @@ class RootState:
     # Backward ---------------------------------------------------------------------------------
 
     def on_unit_backward_done(self, group: ParamGroup) -> None:
-        """BACKWARD_POST prefetch: the next unit's gather starts once this one's grads are out."""
+        """BACKWARD_POST prefetch: the next unit's gather starts once this one is freed."""
         for target in self.backward_targets(group, BackwardPrefetch.BACKWARD_POST):
             target.unshard(async_op=True)
 
@@ -410,6 +421,7 @@ class RootState:
                 group.reshard()
                 group.reset_backward()
                 group.training_state = TrainingState.IDLE
+                group.ran_since_backward = False
             self._grad_forward_pending = False
             if self._checking:
                 self.check_collective_order("backward")
@@ -437,6 +449,7 @@ class RootState:
             group.reshard()
             group.reset_backward()
             group.training_state = TrainingState.IDLE
+            group.ran_since_backward = False
 
     # Order checks -----------------------------------------------------------------------------
 
@@ -536,6 +549,7 @@ def _pre_forward(
     if group.training_state is TrainingState.IDLE:
         group.reset_backward()
     group.training_state = TrainingState.FORWARD
+    group.ran_since_backward = True
     root.record(group)
     group.unshard()
     for target in root.forward_targets(group):
@@ -618,6 +632,23 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor) -> None:
     for target in root.backward_targets(group, BackwardPrefetch.BACKWARD_PRE):
         target.unshard(async_op=True)
     return None
+
+
+def check_prefetch_targets(groups: list[ParamGroup]) -> None:
+    """Explicit prefetch lists (``fshard.set_prefetch``) may name only units of the same model:
+    another model's unit would be gathered by this one's steps and never freed by them."""
+    members = {id(g) for g in groups}
+    problems = ProblemList("fshard.set_prefetch")
+    for group in groups:
+        lists = (("forward", group.explicit_forward_prefetch), ("backward", group.explicit_backward_prefetch))
+        for kind, targets in lists:
+            for target in targets or ():
+                if id(target) not in members:
+                    problems.add(
+                        f"unit {group.label} prefetches unit {target.label} in {kind}, which is "
+                        "not part of the same sharded model"
+                    )
+    problems.raise_if_any(ValueError, hint="List units of the model the unit belongs to.")
 
 
 def _process_groups_of(groups: list[ParamGroup]) -> list[dist.ProcessGroup]:

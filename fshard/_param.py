@@ -29,6 +29,7 @@ unshard and reshard move no memory, and only the gradient all-reduce remains.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,10 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
         column += width
 
 
+def _forget_gathered(storage: torch.UntypedStorage) -> None:
+    GATHERED.sub(storage.nbytes())
+
+
 class FlatBucket:
     """The parameters of one unit that share a dtype: one flat shard, one all-gather."""
 
@@ -269,6 +274,8 @@ class FlatBucket:
                     self._build_unsharded(slot, buffer)
                     self._copy_out_views.append(buffer.view(size, numel))
             GATHERED.add(self._unsharded.numel() * self._unsharded.element_size())
+            # A bucket collected while gathered (its model deleted mid-step) leaves the count.
+            weakref.finalize(self, _forget_gathered, self._unsharded.untyped_storage())
             return
         storage = self._unsharded.untyped_storage()
         nbytes = self._unsharded.numel() * self._unsharded.element_size()

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 import torch.distributed as dist
 
 import fshard
@@ -147,3 +148,83 @@ def test_set_prefetch_rejects_bad_input():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="not an fshard unit"):
         fshard.set_prefetch(model, forward=True)
+
+
+def _backward_peak_worker(policy):
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    fshard.set_prefetch(model, forward=False, backward=policy)
+    batch = make_batch(SPEC, 0, dist.get_rank())
+    compute_loss(SPEC, model, batch).backward()  # records the order
+    loss = compute_loss(SPEC, model, batch)
+    base = fshard.memory_stats().gathered_bytes
+    fshard.reset_peak_memory_stats()
+    loss.backward()
+    return fshard.memory_stats().peak_gathered_bytes - base
+
+
+def test_backward_post_prefetch_holds_no_more_than_no_prefetch():
+    """BACKWARD_POST gathers the next unit only once the current one is freed."""
+    pool = get_pool(2)
+    pre, post, none = (pool.run(_backward_peak_worker, p)[0] for p in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"))
+    assert post == none < pre
+
+
+class _Skippable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.skip: set[int] = set()
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = block(x)
+        return x
+
+
+def _skippable(mesh):
+    model = _Skippable()
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh)
+    return fshard.fully_shard(model, mesh=mesh)
+
+
+def _prefetch_leak_worker():
+    import gc
+
+    mesh = mesh_for((2,))
+    start = fshard.memory_stats().gathered_bytes
+    # A unit of another model in a prefetch list: refused (it would be gathered, never freed).
+    a, b = _skippable(mesh), _skippable(mesh)
+    fshard.set_prefetch(a.blocks[0], forward=[b.blocks[1]])
+    with pytest.raises(ValueError, match=r"prefetches unit .* not part of the same sharded model"):
+        a(torch.randn(2, 8))
+    fshard.set_prefetch(a.blocks[0], forward=[a.blocks[1]])
+    a(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(ValueError, match="not part of the same sharded model"):
+        fshard.set_prefetch(a.blocks[0], forward=[b.blocks[1]])  # after init: checked at once
+    # Inference: a prefetched unit that then does not run is freed when the forward ends.
+    c = _skippable(mesh)
+    c.skip = {2}
+    fshard.set_prefetch(c.blocks[0], forward=[c.blocks[2]])
+    with torch.no_grad():
+        c(torch.randn(2, 8))
+    assert fshard.memory_stats().gathered_bytes == start
+    c(torch.randn(2, 8))  # and so in training (the root owns no params: nothing kept)
+    assert fshard.memory_stats().gathered_bytes == start
+    # A model deleted while gathered (the root keeps its params from forward to the backward
+    # that never comes) no longer counts.
+    d = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fshard.fully_shard(d[0], mesh=mesh)
+    fshard.fully_shard(d, mesh=mesh)
+    d(torch.randn(2, 8))
+    assert fshard.memory_stats().gathered_bytes > start
+    del a, b, c, d
+    gc.collect()
+    assert fshard.memory_stats().gathered_bytes == start
+    return True
+
+
+def test_prefetch_leaves_nothing_gathered():
+    assert all(get_pool(2).run(_prefetch_leak_worker))
