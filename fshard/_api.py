@@ -191,7 +191,8 @@ def fully_shard(
     return module
 
 
-# Containers have no forward: code reaches their contents through the parent's forward.
+# Containers have no forward: code reaches their contents through the parent's forward
+# (fully_shard refuses them; policies never select them).
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 

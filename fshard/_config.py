@@ -493,8 +493,11 @@ def _parse_value(parser: _Parser, canon: str, key: str, value: object) -> Any:
             result = None
     elif canon == "reshard_after_forward":
         # FSDP2-style accelerate files: a bool; FSDP1-style: a strategy name or number.
+        word = value.strip().lower() if isinstance(value, str) else None
         if isinstance(value, bool):
             result = value
+        elif word is not None and word in _TRUE + _FALSE and not word.isdigit():
+            result = word in _TRUE  # "true" / "false" as strings; "1"-"5" are strategies
         else:
             try:
                 result = parse_strategy(value, key)  # type: ignore[arg-type]  # validated inside
@@ -912,5 +915,11 @@ def _rank0_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _broadcast_from_rank0(model: nn.Module, rank0_state: dict[str, torch.Tensor]) -> None:
     if any(p.is_meta for p in model.parameters()):
-        materialize(model)  # other ranks built it on the meta device: allocate shards first
+        # Other ranks built it on the meta device: allocate shards first. No initialiser: the
+        # broadcast below overwrites every value (modules need no reset_parameters()).
+        materialize(model, init_fn=_leave_uninitialised)
     load_state_dict(model, rank0_state, broadcast_from_rank0=True)
+
+
+def _leave_uninitialised(_module: nn.Module) -> None:
+    """``materialize``'s ``init_fn`` when every value is about to be loaded anyway."""

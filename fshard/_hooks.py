@@ -612,9 +612,9 @@ def _post_forward(
     return output
 
 
-def _pre_backward(group: ParamGroup, grad: torch.Tensor) -> None:
+def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
-    if grad.requires_grad:
+    if grad is not None and grad.requires_grad:  # None: this output got no gradient
         # Only a backward with create_graph=True makes differentiable gradients.
         raise RuntimeError(
             f"fshard: a backward with create_graph=True reached unit {group.label} (a gradient "

@@ -545,7 +545,9 @@ def load_state_dict(
     DTensors from any mesh shape (``fshard.state_dict`` or FSDP2, possibly of another run).
     Every problem (missing or unexpected keys under ``strict``, shape mismatches) is reported
     at once, naming the keys. With ``broadcast_from_rank0=True`` only rank 0 needs the (full)
-    state dict; other ranks pass ``{}`` or ``None`` and never hold a full parameter.
+    state dict; other ranks pass ``{}`` or ``None`` and never hold a full parameter. Buffers
+    that no state dict holds (non-persistent ones: rotary tables, position ids) are then copied
+    from rank 0's model too, so ranks that built the model on the meta device get them.
 
     Example:
         >>> full = torch.load("model.pt") if dist.get_rank() == 0 else {}   # doctest: +SKIP
@@ -672,9 +674,24 @@ def _load_from_rank0(
                 continue
             loaded.add(id(e.slot))
             _receive_shard(e.slot, src, in_row, rep_src, source, e.key)
+        # Non-persistent buffers (rotary tables, position ids) are in no state dict: take rank
+        # 0's, so ranks that built the model on the meta device get real values too.
+        for key, buffer in _non_persistent_buffers(model):
+            meta = ("tensor", tuple(buffer.shape), buffer.dtype)
+            value = _broadcast_full(info, src, in_row, rep_src, buffer if is_src else None, meta, key)
+            buffer.copy_(value)
     if rest:
         model.load_state_dict(rest, strict=False)
     return LoadResult(list(missing), list(unexpected))
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = []
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                found.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return found
 
 
 def _broadcast_full(

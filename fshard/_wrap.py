@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fshard._api import fully_shard
+from fshard._api import _CONTAINERS, fully_shard
 from fshard._errors import ProblemList
 from fshard._sharded import is_sharded
 
@@ -51,7 +51,6 @@ M = TypeVar("M", bound=nn.Module)
 # children), so a unit below them would never be gathered. FSDP1's size policy neither wraps
 # them nor looks inside; by_size does the same, so both pick the same units.
 _LEAF_FOR_SIZE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
 
 
 class WrapPolicy(abc.ABC):

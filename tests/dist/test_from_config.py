@@ -286,3 +286,57 @@ def _meta_load(config: dict[str, Any]) -> dict[str, Any]:
     after = {n: p.full_tensor() for n, p in model.named_parameters()}
     units = [row[0] for row in describe_units(model)]
     return {"before": before, "after": after, "units": units}
+
+
+class _NoResetNorm(nn.Module):
+    """Like HF's RMSNorm: no reset_parameters()."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Rotaryish(nn.Module):
+    """A non-persistent buffer computed in __init__ (in no state dict), and a custom norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.norm = _NoResetNorm(6)
+        self.register_buffer("freq", torch.arange(6, dtype=torch.float32) / 6, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x) * torch.cos(self.freq))
+
+
+def _meta_load_without_initialisers() -> dict[str, Any]:
+    config = {
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+        "fsdp_min_num_params": 10,
+        "fsdp_sync_module_states": True,
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
+    torch.manual_seed(0)
+    if dist.get_rank() == 0:
+        model = _Rotaryish()
+        with torch.no_grad():
+            model.norm.weight.mul_(3.0)  # a value no initialiser would give
+    else:
+        with torch.device("meta"):
+            model = _Rotaryish()
+    fshard.from_config(model, config)
+    x = torch.ones(2, 6)
+    return {"out": model(x).detach(), "freq": model.freq.clone()}
+
+
+def test_meta_loading_needs_no_initialisers_and_brings_non_persistent_buffers() -> None:
+    """The other ranks' meta model needs no reset_parameters() (every value comes from rank 0),
+    and buffers no state dict holds come from rank 0's model too."""
+    results = get_pool(WORLD).run(_meta_load_without_initialisers)
+    for rank, result in enumerate(results):
+        for key in ("out", "freq"):
+            torch.testing.assert_close(result[key], results[0][key], rtol=0, atol=0, msg=f"rank {rank}: {key}")

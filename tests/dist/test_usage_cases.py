@@ -405,3 +405,48 @@ def test_sharded_grad_scaler_agrees_with_fused_optimizers():
     assert results[0] == results[1]
     scales, unchanged = results[0]
     assert scales == [2048.0, 1024.0, 2048.0] and unchanged == [False, True, False]
+
+
+class _Halves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.lin(x).chunk(2, dim=-1)  # two outputs of one autograd node
+
+
+class _FirstHalf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.halves = _Halves()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, _unused = self.halves(x)
+        return self.out(first)
+
+
+def _unused_output_worker():
+    torch.manual_seed(0)
+    reference = _FirstHalf()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model.halves, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+    for step in range(2):
+        x = _batch(step, (3, 4))
+        for m, opt in zip((ddp, model), optims, strict=True):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+def test_unit_output_without_gradient_equals_ddp():
+    """Autograd calls a unit's output hook with None for an output that got no gradient while
+    another output of the same node did (chunk, split; a compiled graph's many outputs)."""
+    assert all(get_pool(2).run(_unused_output_worker))

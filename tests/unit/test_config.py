@@ -148,7 +148,8 @@ def test_strategy_by_name_or_number(value: Any, expected: str) -> None:
 @pytest.mark.parametrize(
     ("raf", "strategy", "expected"),
     [(True, None, "FULL_SHARD"), (False, None, "SHARD_GRAD_OP"), ("HYBRID_SHARD", None, "HYBRID_SHARD"),
-     (True, 4, "HYBRID_SHARD"), (False, 5, "HYBRID_SHARD_ZERO2"), (False, 3, "NO_SHARD")],
+     (True, 4, "HYBRID_SHARD"), (False, 5, "HYBRID_SHARD_ZERO2"), (False, 3, "NO_SHARD"),
+     ("true", None, "FULL_SHARD"), ("False", None, "SHARD_GRAD_OP"), ("2", None, "SHARD_GRAD_OP")],
 )  # fmt: skip
 def test_fsdp2_style_reshard_after_forward(raf: Any, strategy: Any, expected: str) -> None:
     data: dict[str, Any] = {"fsdp_reshard_after_forward": raf}

@@ -133,6 +133,9 @@ def test_by_size_skips_containers_and_stays_out_of_attention() -> None:
     model.attn = nn.MultiheadAttention(8, 2)  # out_proj is a Linear read directly by attn
     # The attention block (288 parameters) stays with the root, whole, as in FSDP1.
     assert select_modules(model, fshard.by_size(50)) == ["layers.0", "layers.1"]
+    model.scales = nn.ParameterList([nn.Parameter(torch.ones(60)), nn.Parameter(torch.ones(60))])
+    model.gates = nn.ParameterDict({"a": nn.Parameter(torch.ones(60))})
+    assert select_modules(model, fshard.by_size(50)) == ["layers.0", "layers.1"]
 
 
 def test_ignored_params_do_not_count() -> None:
@@ -216,6 +219,10 @@ def test_callable_policy_must_return_a_bool() -> None:
 def test_selecting_a_container_is_an_error_naming_it() -> None:
     with pytest.raises(ValueError, match=r"selected 'blocks', a ModuleList; containers have no forward"):
         select_modules(TinyTransformer(TransformerSpec()), lambda m: isinstance(m, nn.ModuleList))
+    model = nn.Sequential(nn.Linear(3, 3))
+    model.scales = nn.ParameterList([nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match=r"selected 'scales', a ParameterList; containers"):
+        select_modules(model, lambda m: not isinstance(m, nn.Sequential))
 
 
 def test_modules_without_parameters_are_not_units() -> None:
