@@ -20,6 +20,7 @@ same reduce-scatter.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from enum import Enum
@@ -228,7 +229,9 @@ class ParamGroup:
         sharded = slot.sharded_param
         if sharded.requires_grad and not sharded.__dict__.get("_fshard_hooked", False):
             sharded._fshard_hooked = True  # type: ignore[attr-defined]  # marker, as above
-            sharded.register_post_accumulate_grad_hook(_used_while_sharded(slot.fqn, self.label))
+            sharded.register_post_accumulate_grad_hook(
+                _used_while_sharded(slot.fqn, self.label, weakref.ref(self))
+            )
 
     def ensure_packed(self) -> None:
         """Re-pack if a sharded param's data was replaced since packing (e.g. ``model.to``)."""
@@ -535,19 +538,31 @@ def _summed_grad(slot: ParamSlot) -> torch.Tensor | None:
     return accumulated if grad is None else accumulated.add_(grad)
 
 
-def _used_while_sharded(fqn: str, unit: str) -> Callable[[torch.Tensor], None]:
+def _used_while_sharded(
+    fqn: str, unit: str, group_ref: weakref.ref[ParamGroup]
+) -> Callable[[torch.Tensor], None]:
     """A hook for autograd accumulating into a *sharded* param: something outside the unit's
     forward used the registered parameter while it held only this rank's shard (no fshard
-    computation ever puts a sharded param in the graph; ``to_local()`` is detached)."""
+    computation puts a sharded param in the graph; ``to_local()`` is detached). Right for an
+    elementwise use (a penalty over ``model.parameters()``: the shard's gradient is this
+    rank's rows of the full one), wrong for one that mixes rows (``F.linear(h, embed.weight)``
+    in the parent): a warning, once per model, since the two cannot be told apart here."""
 
     def hook(_param: torch.Tensor) -> None:
-        raise RuntimeError(
-            f"fshard: parameter {fqn!r} of unit {unit} was used in the forward outside its "
-            "unit's forward while sharded (e.g. a tied output head calling "
-            "F.linear(h, self.embed.weight) in the parent): there it holds only this rank's "
-            "shard, so that forward computed with the wrong tensor. Put the module that owns "
-            "it and the code that uses it in one unit: call fully_shard on their common parent "
-            "but not on the owner (a tied head can also be an nn.Module sharing the weight)."
+        group = group_ref()
+        root = group.root if group is not None else None
+        if root is None or root.warned_sharded_use:  # type: ignore[attr-defined]  # RootState
+            return
+        root.warned_sharded_use = True  # type: ignore[attr-defined]  # RootState
+        warnings.warn(
+            f"fshard: parameter {fqn!r} of unit {unit} got a gradient from a use outside its "
+            "unit's forward, where it holds only this rank's shard. That is right for an "
+            "elementwise use (a penalty such as sum(p.pow(2).sum() for p in "
+            "model.parameters()); its value is this rank's part), and wrong for anything that "
+            "mixes the parameter's rows, e.g. a tied head calling F.linear(h, self.embed.weight) "
+            "in the parent: put the owner and the user in one unit (fully_shard their common "
+            "parent only, or tie through an nn.Module sharing the weight). Warned once per model.",
+            stacklevel=2,
         )
 
     return hook
@@ -588,7 +603,8 @@ class _Reduced(NamedTuple):
             return self.present
         start = self.offsets[-1]
         flags = self.output[start : start + len(self.slots)].tolist()
-        return [here or flag > 0 for here, flag in zip(self.present, flags, strict=True)]
+        # abs(): the flags share the bucket's dtype, which may be complex.
+        return [here or abs(flag) > 0 for here, flag in zip(self.present, flags, strict=True)]
 
     def assign(self) -> None:
         """Set (or accumulate into) ``.grad`` of each sharded param that got a gradient on

@@ -310,6 +310,7 @@ class RootState:
         self._check_every_step = os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
         self._grad_forward_pending = False
+        self.warned_sharded_use = False  # see _used_while_sharded in _group
         self._process_groups = _process_groups_of(groups)
         for process_group in self._process_groups:
             _collectives.start_recording(process_group)
@@ -504,15 +505,24 @@ def _is_dataclass_instance(x: Any) -> bool:
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``fn`` over the tensors of a pytree, also inside dataclasses pytree does not know
-    (it sees those as leaves); a dataclass is shallow-copied, never changed in place."""
+    (it sees those as leaves). Containers come back new (as ``tree_map`` makes them); a
+    dataclass is shallow-copied only if one of its tensors changed, never changed in place."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
         if _is_dataclass_instance(x):
-            copy = copy_module.copy(x)
+            changed = {}
             for field in dataclasses.fields(x):
-                object.__setattr__(copy, field.name, _map_tensors(fn, getattr(x, field.name)))
+                value = getattr(x, field.name)
+                new = _map_tensors(fn, value)
+                if new is not value:
+                    changed[field.name] = new
+            if not changed:
+                return x  # nothing cast: the caller's own object
+            copy = copy_module.copy(x)
+            for name, new in changed.items():
+                object.__setattr__(copy, name, new)
             return copy
         return x
 
@@ -614,8 +624,8 @@ def _post_forward(
 
 def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
-    if grad is not None and grad.requires_grad:  # None: this output got no gradient
-        # Only a backward with create_graph=True makes differentiable gradients.
+    if torch.is_grad_enabled():
+        # Autograd runs hooks with grad mode on only in a backward with create_graph=True.
         raise RuntimeError(
             f"fshard: a backward with create_graph=True reached unit {group.label} (a gradient "
             "penalty, double backward or Hessian-vector product): fshard frees the gathered "
