@@ -143,6 +143,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
+        self.grad_forwards = 0  # forwards with grad enabled since the last backward
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
         self.reduce_scatter_while_accumulating = False
@@ -379,6 +380,11 @@ class ParamGroup:
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
         if not grads_done or self._inputs_ready < self._input_waiters:
+            return
+        if self.grad_forwards > 1 and self._input_waiters < self.grad_forwards:
+            # Several forwards, not each with an input requiring grad to say when its backward
+            # is done: with reentrant checkpointing inside the unit, each runs its own backward
+            # (recomputing with the gathered params), maybe after this point. Freed at the end.
             return
         if self._input_waiters == 0 and self.num_grad_params < len(self.slots):
             # Frozen params, and no forward input requiring grad to tell when they are no

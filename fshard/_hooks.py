@@ -407,7 +407,9 @@ class RootState:
         with phase("fshard::final_callback"):
             for group in self.groups:
                 syncing = group.requires_gradient_sync or group.reduce_scatter_while_accumulating
-                if syncing and not group._reduced and group.has_unsharded_grads():
+                # Also a unit reduced already: gradients that arrived after its reduce (reentrant
+                # checkpointing runs one nested backward per forward) are reduced now and added.
+                if syncing and group.has_unsharded_grads():
                     group._reduced = True
                     group.reduce_grads()
                 elif not syncing:
@@ -423,6 +425,7 @@ class RootState:
                 group.reset_backward()
                 group.training_state = TrainingState.IDLE
                 group.ran_since_backward = False
+                group.grad_forwards = 0
             self._grad_forward_pending = False
             if self._checking:
                 self.check_collective_order("backward")
@@ -451,6 +454,7 @@ class RootState:
             group.reset_backward()
             group.training_state = TrainingState.IDLE
             group.ran_since_backward = False
+            group.grad_forwards = 0
 
     # Order checks -----------------------------------------------------------------------------
 
@@ -556,10 +560,12 @@ def _pre_forward(
         return None
     if root.root is group:
         root.on_root_pre_forward()
-    if group.training_state is TrainingState.IDLE:
-        group.reset_backward()
+    if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
+        group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
     group.ran_since_backward = True
+    if torch.is_grad_enabled():
+        group.grad_forwards += 1
     root.record(group)
     group.unshard()
     for target in root.forward_targets(group):

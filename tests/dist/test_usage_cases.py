@@ -517,3 +517,61 @@ def test_unit_output_without_gradient_equals_ddp():
     """Autograd calls a unit's output hook with None for an output that got no gradient while
     another output of the same node did (chunk, split; a compiled graph's many outputs)."""
     assert all(get_pool(2).run(_unused_output_worker))
+
+
+class _CheckpointedBlock(nn.Module):
+    """Reentrant activation checkpointing inside the unit's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=True)
+
+
+class _TwoBlockNet(nn.Module):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        block = _CheckpointedBlock if where == "inside" else lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.where = where
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList([block(), block()])
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) if self.where == "inside" else torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _two_forwards_reentrant_worker(where: str, reshard_after_forward: bool):
+    torch.manual_seed(0)
+    reference = _TwoBlockNet(where)
+    model = copy.deepcopy(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fshard.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(2):
+        xs = [_batch(10 * step + i, (3, 6)) for i in range(2)]
+        for m, opt in zip((reference, model), optims, strict=True):
+            sum(m(x).pow(2).mean() for x in xs).backward()  # two forwards, one backward
+            if m is reference:  # DDP refuses reentrant backward passes that reuse params:
+                for p in m.parameters():  # average by hand, as DDP would
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_two_forwards_with_reentrant_checkpointing_equal_ddp(where, reshard_after_forward):
+    """Reentrant checkpointing runs one nested backward per forward: a unit called twice gets
+    its gradients in two parts, and recomputes with its params in both."""
+    assert all(get_pool(2).run(_two_forwards_reentrant_worker, where, reshard_after_forward))
