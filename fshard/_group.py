@@ -11,10 +11,10 @@ compute the gradient of the unit's *inputs*, so the unit also waits until the gr
 forward inputs are ready (an identity autograd Function on the inputs) before it frees the
 gathered params; with frozen params and no input requiring grad, nothing says when they are
 done (a tensor may reach the forward other than as an argument), so the end-of-backward
-callback frees the unit. A unit whose forward ran but whose gradients never all arrive (a parameter left
-unused this step, an output that reached no loss) is finished by the root's end-of-backward
-callback instead, with zeros standing in for missing gradients so that every rank packs the
-same reduce-scatter.
+callback frees the unit. A unit whose forward ran but whose gradients never all arrive (a
+parameter left unused this step, an output that reached no loss) is finished by the root's
+end-of-backward callback instead, with zeros standing in for missing gradients so that every
+rank packs the same reduce-scatter.
 """
 
 from __future__ import annotations
@@ -142,8 +142,6 @@ class ParamGroup:
         self.buckets: list[FlatBucket] = []
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
-        self.grad_forwards = 0  # forwards with grad enabled since the last backward
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
         self.reduce_scatter_while_accumulating = False
@@ -348,6 +346,13 @@ class ParamGroup:
         self._inputs_ready = 0
         self._reduced = False
         self._freed_in_backward = False
+        self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
+
+    def end_backward(self) -> None:
+        """Back to idle after a backward (or an aborted one): freed, bookkeeping forgotten."""
+        self.reshard()
+        self.reset_backward()
+        self.training_state = TrainingState.IDLE
 
     def add_input_waiter(self) -> None:
         self._input_waiters += 1
@@ -380,11 +385,6 @@ class ParamGroup:
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
         if not grads_done or self._inputs_ready < self._input_waiters:
-            return
-        if self.grad_forwards > 1 and self._input_waiters < self.grad_forwards:
-            # Several forwards, not each with an input requiring grad to say when its backward
-            # is done: with reentrant checkpointing inside the unit, each runs its own backward
-            # (recomputing with the gathered params), maybe after this point. Freed at the end.
             return
         if self._input_waiters == 0 and self.num_grad_params < len(self.slots):
             # Frozen params, and no forward input requiring grad to tell when they are no
@@ -436,9 +436,7 @@ class ParamGroup:
 
     def drop_unsharded_grads(self) -> None:
         for slot in self.slots:
-            slot.accumulated_grad = None
-            if slot.unsharded_param is not None:
-                slot.unsharded_param.grad = None
+            slot.drop_unsharded_grad()
 
     def reduce_grads(self) -> None:
         """Reduce-scatter (and on 2D meshes all-reduce) every bucket's unsharded grads."""
@@ -452,9 +450,7 @@ class ParamGroup:
             grads = [_summed_grad(s) for s in slots]
             pending = self._reduce_bucket(index, slots, grads)
             for slot in slots:
-                slot.accumulated_grad = None
-                if slot.unsharded_param is not None:
-                    slot.unsharded_param.grad = None
+                slot.drop_unsharded_grad()
             if root is not None:
                 root.add_pending_reduce(pending)  # type: ignore[attr-defined]  # RootState
             else:

@@ -101,9 +101,8 @@ _UNITS_MADE = [0]  # units made in this process so far
 def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
     """Process-wide ``optimizer.step()`` pre-hook (registered with the first unit)."""
     if optimizer not in _CHECKED_OPTIMIZERS and _UNSHARDED_AT.get(optimizer) != _UNITS_MADE[0]:
-        if _check_state_is_sharded(optimizer):
-            _CHECKED_OPTIMIZERS.add(optimizer)  # checked once it has sharded parameters
-        else:  # look again only after new units were made (its params may be sharded then)
+        if not check_optimizer_state(optimizer):
+            # Look again only after new units were made (its params may be sharded then).
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
     if optimizer in _CHECKED_OPTIMIZERS and _stepped_by_unsharded_scaler():
         raise TypeError(
@@ -194,10 +193,15 @@ def _never_stepped(state: dict[str, Any]) -> bool:
     return isinstance(step, (int, float)) and step == 0
 
 
-def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """The first-step check of ``_check_optimizer_step``, for state dict functions."""
-    if optimizer not in _CHECKED_OPTIMIZERS and _check_state_is_sharded(optimizer):
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """The first-step check (``_check_state_is_sharded``), once per optimizer with sharded
+    params; also run by the state dict functions. Returns whether it has sharded params."""
+    if optimizer in _CHECKED_OPTIMIZERS:
+        return True
+    if _check_state_is_sharded(optimizer):
         _CHECKED_OPTIMIZERS.add(optimizer)
+        return True
+    return False
 
 
 def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any) -> None:
@@ -421,11 +425,7 @@ class RootState:
                     _UNSYNCED.discard(group)
                 elif group.has_unreduced_grads():
                     _UNSYNCED.add(group)
-                group.reshard()
-                group.reset_backward()
-                group.training_state = TrainingState.IDLE
-                group.ran_since_backward = False
-                group.grad_forwards = 0
+                group.end_backward()
             self._grad_forward_pending = False
             if self._checking:
                 self.check_collective_order("backward")
@@ -450,11 +450,7 @@ class RootState:
             item.discard()
         for group in self.groups:
             group.drop_unsharded_grads()
-            group.reshard()
-            group.reset_backward()
-            group.training_state = TrainingState.IDLE
-            group.ran_since_backward = False
-            group.grad_forwards = 0
+            group.end_backward()
 
     # Order checks -----------------------------------------------------------------------------
 
@@ -564,8 +560,6 @@ def _pre_forward(
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
     group.ran_since_backward = True
-    if torch.is_grad_enabled():
-        group.grad_forwards += 1
     root.record(group)
     group.unshard()
     for target in root.forward_targets(group):

@@ -86,6 +86,12 @@ class ParamSlot:
         self.group_ref: Callable[[], ParamGroup | None] = lambda: None  # owning unit
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
 
+    def drop_unsharded_grad(self) -> None:
+        """Forget the full gradient (this backward's and any no_sync sum)."""
+        self.accumulated_grad = None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+
     @property
     def requires_grad(self) -> bool:
         return self.sharded_param.requires_grad
