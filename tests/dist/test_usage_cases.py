@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 import math
 import warnings
 
@@ -27,6 +28,35 @@ def _assert_params_equal(model: nn.Module, reference: nn.Module) -> None:
 
 def _batch(step: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+
+
+def _sgd(*models: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+
+def _square_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).pow(2).mean()
+
+
+def _train_side_by_side(
+    pair: tuple[nn.Module, nn.Module],
+    optims: list[torch.optim.Optimizer],
+    shape: tuple[int, ...],
+    *,
+    steps: int = 2,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _square_loss,
+    after_backward: Callable[[], None] | None = None,
+) -> None:
+    """Train the reference (DDP) and the sharded model of ``pair`` on the same batches."""
+    for step in range(steps):
+        x = _batch(step, shape)
+        for m in pair:
+            loss(m, x).backward()
+        if after_backward is not None:
+            after_backward()
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
 
 
 # ------------------------------------------------------------- parameters used on some ranks only
@@ -65,15 +95,12 @@ def _routed_worker(mesh_shape):
     fshard.fully_shard(model, mesh=mesh)
     # AdamW with weight decay tells a zero gradient from none: a param with a gradient moves.
     optims = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (ddp, model)]
-    for step in range(3):
-        x = _batch(step, (4, 5))
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).mean().backward()
+
+    def same_grads_present() -> None:
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
-        for opt in optims:
-            opt.step()
-            opt.zero_grad()
+
+    _train_side_by_side((ddp, model), optims, (4, 5), steps=3, after_backward=same_grads_present)
     _assert_params_equal(model, reference)
     return True
 
@@ -120,13 +147,8 @@ def _side_input_worker():
     mesh = mesh_for((dist.get_world_size(),))
     for m in (model.enc, model.block, model):
         fshard.fully_shard(m, mesh=mesh)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
-    for step in range(2):
-        x = _batch(step, (3, 4))  # no grad: only the side tensor needs the frozen weight
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+    # The batch needs no grad: only the side tensor needs the frozen weight.
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
     _assert_params_equal(model, reference)
     return True
 
@@ -178,13 +200,7 @@ def _dataclass_worker(mp: bool):
     fshard.fully_shard(model, mesh=mesh)
     seen = []
     model.block.register_forward_hook(lambda m, a, out: seen.append((out.hidden.dtype, out.aux.dtype)))
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
-    for step in range(2):
-        x = _batch(step, (3, 4))
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).float().backward()
-            opt.step()
-            opt.zero_grad()
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x).float())
     _assert_params_equal(model, reference)
     assert set(seen) == {(torch.float64, torch.float64) if mp else (torch.float32, torch.float32)}
     return True
@@ -250,16 +266,13 @@ def _penalty_worker():
     mesh = mesh_for((dist.get_world_size(),))
     fshard.fully_shard(model[0], mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+
+    def penalised(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _square_loss(m, x) + 0.1 * sum(p.pow(2).sum() for p in m.parameters())
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time note about uses outside the forward
-        for step in range(2):
-            x = _batch(step, (3, 5))
-            for m, opt in zip((ddp, model), optims, strict=True):
-                penalty = sum(p.pow(2).sum() for p in m.parameters())
-                (m(x).pow(2).mean() + 0.1 * penalty).backward()
-                opt.step()
-                opt.zero_grad()
+        _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 5), loss=penalised)
     _assert_params_equal(model, reference)
     return True
 
@@ -408,12 +421,7 @@ def _adagrad_before_sharding_worker():
     mesh = mesh_for((dist.get_world_size(),))
     fshard.fully_shard(model[0], mesh=mesh)  # after the optimizer made its (full-size) state
     fshard.fully_shard(model, mesh=mesh)
-    for step in range(2):
-        x = _batch(step, (4, 6))
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+    _train_side_by_side((ddp, model), optims, (4, 6))
     _assert_params_equal(model, reference)
     return True
 
@@ -502,13 +510,7 @@ def _unused_output_worker():
     mesh = mesh_for((dist.get_world_size(),))
     fshard.fully_shard(model.halves, mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
-    for step in range(2):
-        x = _batch(step, (3, 4))
-        for m, opt in zip((ddp, model), optims, strict=True):
-            m(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
     _assert_params_equal(model, reference)
     return True
 
@@ -520,14 +522,18 @@ def test_unit_output_without_gradient_equals_ddp():
 
 
 class _CheckpointedBlock(nn.Module):
-    """Reentrant activation checkpointing inside the unit's forward."""
+    """Reentrant activation checkpointing of part of the unit's forward: each forward's
+    recompute (in its own nested backward) needs the unit gathered, after the rest of the
+    unit's gradients arrived."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(6, 6)
+        self.l1 = nn.Linear(6, 6)
+        self.l2 = nn.Linear(6, 6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.l1(t)), x, use_reentrant=True)
+        return x + self.l2(h)
 
 
 class _TwoBlockNet(nn.Module):
@@ -554,17 +560,22 @@ def _two_forwards_reentrant_worker(where: str, reshard_after_forward: bool):
     for block in model.blocks:
         fshard.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fshard.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    for step in range(2):
-        xs = [_batch(10 * step + i, (3, 6)) for i in range(2)]
-        for m, opt in zip((reference, model), optims, strict=True):
-            sum(m(x).pow(2).mean() for x in xs).backward()  # two forwards, one backward
-            if m is reference:  # DDP refuses reentrant backward passes that reuse params:
-                for p in m.parameters():  # average by hand, as DDP would
-                    dist.all_reduce(p.grad)
-                    p.grad /= dist.get_world_size()
-            opt.step()
-            opt.zero_grad()
+
+    def average_reference_grads() -> None:  # DDP refuses reentrant backward passes that reuse
+        for p in reference.parameters():  # params: average by hand, as DDP would
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+    def two_forwards(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _square_loss(m, x) + _square_loss(m, x.flip(0) * 2)  # one backward
+
+    _train_side_by_side(
+        (reference, model),
+        _sgd(reference, model),
+        (3, 6),
+        loss=two_forwards,
+        after_backward=average_reference_grads,
+    )
     _assert_params_equal(model, reference)
     return True
 
