@@ -578,16 +578,13 @@ def _pre_forward(
                 new_args[i] = tensor
             args = tuple(new_args)
     elif torch.is_grad_enabled():
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if positions:
+        # Any nesting, dataclasses included; a tensor passed twice is wrapped once.
+        needing = list({id(t): t for t in _tensors_in((args, kwargs)) if t.requires_grad}.values())
+        if needing:
             group.add_input_waiter()
-            wrapped = _InputsGradReady.apply(group, *(flat[i] for i in positions))
-            for i, tensor in zip(positions, wrapped, strict=True):
-                flat[i] = tensor
-            args, kwargs = pytree.tree_unflatten(flat, spec)
+            wrapped = _InputsGradReady.apply(group, *needing)
+            by_id = {id(t): w for t, w in zip(needing, wrapped, strict=True)}
+            args, kwargs = _map_tensors(lambda t: by_id.get(id(t), t), (args, kwargs))
     return args, kwargs
 
 

@@ -212,6 +212,61 @@ def test_dataclass_outputs_equal_ddp(mp):
     assert all(get_pool(2).run(_dataclass_worker, mp))
 
 
+@dataclasses.dataclass
+class _Input:
+    hidden: torch.Tensor
+    scale: float = 1.0
+
+
+class _FrozenOnDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+    def forward(self, inp: _Input) -> torch.Tensor:
+        return inp.scale * inp.hidden @ self.weight
+
+
+class _FrozenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.frozen = _FrozenOnDataclass()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        if fshard.is_sharded(self.frozen.weight):  # the fshard model, not the DDP reference
+            # Runs in backward once the frozen unit has passed the gradient on to ``h``.
+            h.register_hook(lambda g: self.alive_at_enc_backward.append(self.probe.alive()))
+        return self.frozen(_Input(hidden=h, scale=0.5))
+
+
+def _frozen_dataclass_worker():
+    from tests.dist.probes import GatherProbe
+
+    torch.manual_seed(0)
+    reference = _FrozenNet()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for m in (model.enc, model.frozen, model):
+        fshard.fully_shard(m, mesh=mesh)
+    model.probe = GatherProbe(model)
+    model.alive_at_enc_backward = []
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
+    _assert_params_equal(model, reference)
+    # The frozen unit's weight is freed as soon as its input's gradient is passed on, not held
+    # to the end of backward.
+    assert model.alive_at_enc_backward and all(
+        "param frozen.weight" not in alive for alive in model.alive_at_enc_backward
+    ), model.alive_at_enc_backward
+    return True
+
+
+def test_frozen_unit_with_a_dataclass_input_is_freed_when_its_input_grads_are_ready():
+    assert all(get_pool(2).run(_frozen_dataclass_worker))
+
+
 # ---------------------------------------------------------------- clear errors, not wrong numbers
 
 
