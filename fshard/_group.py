@@ -417,6 +417,13 @@ class ParamGroup:
             return mp.reduce_dtype
         return bucket.compute_dtype
 
+    def mark_awaiting_sync(self) -> None:
+        """After an unsynchronised backward: the params requiring grad now keep their place in
+        the next reduces until one synchronises, so a param frozen in between loses nothing."""
+        for slot in self.slots:
+            if slot.requires_grad:
+                slot.awaiting_sync = True
+
     def accumulate_unsynced_grads(self) -> None:
         """Under ``no_sync``: move this backward's full gradients into the reduce-dtype sums
         where the reduce dtype is not the compute dtype, as DDP-equal accumulation needs."""
@@ -442,9 +449,16 @@ class ParamGroup:
         """Reduce-scatter (and on 2D meshes all-reduce) every bucket's unsharded grads."""
         root = self.root
         for index, bucket in enumerate(self.buckets):
-            slots = [s for s in bucket.slots if s.requires_grad and s.layout.slot_numel > 0]
+            slots = [
+                s
+                for s in bucket.slots
+                if (s.requires_grad or s.awaiting_sync) and s.layout.slot_numel > 0
+            ]
             if not slots:
                 continue
+            if self.requires_gradient_sync:
+                for slot in slots:
+                    slot.awaiting_sync = False
             # Reduced even with no gradient here: another rank may have some (and every rank
             # must issue the same collectives).
             grads = [_summed_grad(s) for s in slots]

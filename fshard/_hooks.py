@@ -423,8 +423,10 @@ class RootState:
                 group.flush_partials()
                 if group.requires_gradient_sync:
                     _UNSYNCED.discard(group)
-                elif group.has_unreduced_grads():
-                    _UNSYNCED.add(group)
+                else:
+                    group.mark_awaiting_sync()
+                    if group.has_unreduced_grads():
+                        _UNSYNCED.add(group)
                 group.end_backward()
             self._grad_forward_pending = False
             if self._checking:

@@ -83,6 +83,9 @@ class ParamSlot:
         # Full gradient summed over no_sync micro-batches in the reduce dtype, when that is wider
         # than the compute dtype (autograd would keep summing in bf16 / fp16 otherwise).
         self.accumulated_grad: torch.Tensor | None = None
+        # Required grad in an unsynchronised backward since the last synchronised reduce: it
+        # takes part in that reduce even if frozen since (rank-consistent, unlike a local grad).
+        self.awaiting_sync = False
         self.group_ref: Callable[[], ParamGroup | None] = lambda: None  # owning unit
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
 

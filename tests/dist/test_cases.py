@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
 
@@ -557,3 +559,45 @@ def test_dtype_change_after_sharding_is_picked_up():
         for name, value in full.items():
             assert value.dtype == torch.float64
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-9, atol=1e-11)
+
+
+def _freeze_between_micro_batches(mesh_shape, reduce_scatter):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(reference)
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = mesh_shape[-1]
+    mismatches = []
+    # Step 0: weight trainable in micro-batch 0, frozen in 1 (the synced one). Step 1: the
+    # other way round. Every grad must be the average over ranks of the local sums.
+    for step, frozen_in in enumerate((1, 0)):
+        batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + 2 * step + i)) for i in range(2)]
+        for net in (reference, model):
+            for i, x in enumerate(batches):
+                net[0].weight.requires_grad_(i != frozen_in)
+                unsynced = net is model and i == 0
+                with fshard.no_sync(model, reduce_scatter=reduce_scatter) if unsynced else contextlib.nullcontext():
+                    net(x).square().sum().backward()  # the reference sums locally
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            expected = torch.chunk(q.grad, shards)[rank % shards]
+            if p.grad is None or not torch.allclose(p.grad, expected, atol=1e-5):
+                mismatches.append((step, name))
+        for net in (reference, model):
+            net.zero_grad()
+    return mismatches
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["no_sync", "no_sync-rs"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_freezing_a_param_between_micro_batches_loses_no_gradient(mesh_shape, reduce_scatter):
+    """A param that got gradients in an unsynchronised micro-batch and is frozen before the
+    synced one still gets them reduced (and not left to leak into a later step); one unfrozen
+    between micro-batches gets the ones it had."""
+    results = get_pool(math.prod(mesh_shape)).run(_freeze_between_micro_batches, mesh_shape, reduce_scatter)
+    assert results == [[]] * math.prod(mesh_shape)
