@@ -699,8 +699,14 @@ def load(
     model_sd = state_dict(model)
     problems = ProblemList(f"{where}({root})")
     tensor_keys = [e.key for e in entries if isinstance(e.value, torch.Tensor)]
+    # Modules' extra state (``get_extra_state``): saved through DCP, read back without
+    # arbitrary unpickling ([Note: no unpickling]).
+    saved_keys = set(manifest.get("model_keys", saved))
+    object_keys = [k for k in model_sd if not isinstance(model_sd[k], torch.Tensor)]
     missing = [k for k in tensor_keys if k not in saved]
+    missing += [k for k in object_keys if k not in saved_keys]
     unexpected = [k for k in saved if k not in model_sd]
+    unexpected += [k for k in saved_keys if k not in saved and k not in model_sd]
     if strict and missing:
         problems.add(f"the checkpoint lacks key(s) the model has: {missing}")
     if strict and unexpected:
@@ -717,7 +723,11 @@ def load(
         ValueError, hint="Load into the same model architecture, or pass strict=False."
     )
 
-    to_load: dict[str, Any] = {"model": {k: v for k, v in model_sd.items() if k in saved}}
+    to_load: dict[str, Any] = {
+        "model": {
+            k: v for k, v in model_sd.items() if k in saved or (k in object_keys and k in saved_keys)
+        }
+    }
     optim_desc = manifest.get("optimizer") if optimizer is not None else None
     if optimizer is not None and optim_desc is not None:
         to_load["optim"] = _optim_template(model, optimizer, optim_desc, where)

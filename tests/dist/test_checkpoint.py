@@ -336,3 +336,44 @@ def test_missing_checkpoint_and_unsupported_extra_are_clear_errors(tmp_path):
         assert isinstance(error, TypeError)
         assert re.search(r"extra\['where'\] is a builtins.object: checkpoint extra state holds", str(error)), error
     assert not os.path.exists(tmp_path / "bad")
+
+
+class _WithExtraState(torch.nn.Module):
+    """State kept through ``get_extra_state`` (as fp8 scaling metadata is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.amax = torch.zeros(3)
+        self.tag = "init"
+
+    def get_extra_state(self) -> dict:
+        return {"amax": self.amax.clone(), "tag": self.tag}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.amax, self.tag = state["amax"].clone(), state["tag"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _extra_state_task(path, save):
+    from fshard.testing import mesh_for
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WithExtraState(), torch.nn.Linear(4, 2))
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    if save:
+        model[0].amax, model[0].tag = torch.tensor([1.0, 2.0, 3.0]), "trained"
+        ckpt.save(path, model)
+    else:
+        ckpt.load(path, model)
+    return model[0].amax.tolist(), model[0].tag
+
+
+def test_module_extra_state_round_trips(tmp_path):
+    path = str(tmp_path / "extra-state")
+    get_pool(2).run(_extra_state_task, path, True)
+    assert get_pool(1).run(_extra_state_task, path, False) == [([1.0, 2.0, 3.0], "trained")]
