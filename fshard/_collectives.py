@@ -124,7 +124,8 @@ _HINT = (
     "by data-dependent control flow, or a unit whose output reached the loss on only some ranks "
     "(so only they ran its backward). Every rank must run each unit's forward and backward the "
     "same way: where a unit's output is unused on a rank, add 0 * output.sum() to that rank's "
-    "loss. Set FSHARD_DEBUG=1 to compare the ranks' collectives after every backward."
+    "loss. Set FSHARD_DEBUG=1 to turn prefetch off and compare the ranks' collectives after "
+    "every backward."
 )
 
 

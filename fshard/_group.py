@@ -141,6 +141,9 @@ class ParamGroup:
         self.slots: list[ParamSlot] = []
         self.buckets: list[FlatBucket] = []
         self.sharded_state = ShardedState.SHARDED
+        # Whether the modules hold the gathered params (they hold the shards again once the
+        # model's forward is over, though the gathered storage may be kept for backward).
+        self.unsharded_registered = False
         self.training_state = TrainingState.IDLE
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
@@ -266,6 +269,8 @@ class ParamGroup:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
         if self.sharded_state is ShardedState.UNSHARDING and not async_op:
             self.wait_for_unshard()  # prefetched: just wait for it
+        if self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered:
+            self._register_unsharded()  # kept gathered since the model's forward
         if self.sharded_state is not ShardedState.SHARDED:
             return
         self.ensure_packed()
@@ -300,6 +305,8 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gathers and register the full params."""
         if self.sharded_state is ShardedState.UNSHARDED:
+            if not self.unsharded_registered:
+                self._register_unsharded()
             return
         if self.sharded_state is not ShardedState.UNSHARDING:
             raise internal_error(f"wait_for_unshard on unit {self.label} that is sharded")
@@ -310,19 +317,33 @@ class ParamGroup:
                 if self.mesh_info.shard_size > 1:  # size 1 gathers nothing: no output buffer
                     GATHERED.sub(all_gather_output.numel() * all_gather_output.element_size())
             self._pending_gather = []
-            num_grad_params = 0
-            for slot in self.slots:
-                unsharded = slot.unsharded_param
-                if unsharded is None:
-                    raise internal_error(f"parameter {slot.fqn!r} has no unsharded param")
-                requires_grad = slot.requires_grad
-                num_grad_params += requires_grad
-                if unsharded.requires_grad != requires_grad:
-                    unsharded.requires_grad_(requires_grad)
-                self._ensure_grad_hook(slot)
-                slot.use_unsharded()
-            self._num_grad_params = num_grad_params
+            self._register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _register_unsharded(self) -> None:
+        """Put the gathered params in the modules (with the shards' ``requires_grad``)."""
+        num_grad_params = 0
+        for slot in self.slots:
+            unsharded = slot.unsharded_param
+            if unsharded is None:
+                raise internal_error(f"parameter {slot.fqn!r} has no unsharded param")
+            requires_grad = slot.requires_grad
+            num_grad_params += requires_grad
+            if unsharded.requires_grad != requires_grad:
+                unsharded.requires_grad_(requires_grad)
+            self._ensure_grad_hook(slot)
+            slot.use_unsharded()
+        self._num_grad_params = num_grad_params
+        self.unsharded_registered = True
+
+    def hide_unsharded(self) -> None:
+        """Put the shards back in the modules but keep the gathered storage (which autograd
+        saved for backward): outside a forward or backward, ``model.parameters()``, hence
+        ``model.zero_grad()``, in-place edits and optimizers built then, see the shards."""
+        if self.sharded_state is ShardedState.UNSHARDED and self.unsharded_registered:
+            for slot in self.slots:
+                slot.use_sharded()
+            self.unsharded_registered = False
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: swap the shards back in and free the gathered storage."""
@@ -335,6 +356,7 @@ class ParamGroup:
                 slot.use_sharded()
             for bucket in self.buckets:
                 bucket.free_unsharded()
+        self.unsharded_registered = False
         self.sharded_state = ShardedState.SHARDED
 
     # -------------------------------------------------------------------------------- backward

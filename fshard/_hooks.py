@@ -91,6 +91,8 @@ def in_backward() -> bool:
 # Units whose last backward ran without gradient sync and kept its full gradients unreduced.
 _UNSYNCED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 _STEP_HOOK: list[Any] = []  # the process-wide optimizer pre-step hook, once registered
+# Units a forward left gathered for a backward (the root, reshard_after_forward=False units).
+_KEPT_GATHERED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 _CHECKED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -112,6 +114,29 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             "fshard.ShardedGradScaler (same arguments), which agrees across ranks."
         )
     _check_step_sees_reduced_grads(optimizer, *args)
+    _free_stale_gathered(optimizer)
+
+
+def _free_stale_gathered(optimizer: torch.optim.Optimizer) -> None:
+    """Free units a forward left gathered whose shards this step is about to change.
+
+    After a forward with grad and no backward (evaluation outside ``torch.no_grad()``), the
+    root (and ``reshard_after_forward=False`` units) stay gathered for a backward that never
+    comes; the next forward would reuse that copy, as it was before this step. Freeing is
+    local and every rank steps, so the next gather is issued on every rank. One truth test per
+    step in the usual loop (a backward frees them).
+    """
+    if not _KEPT_GATHERED:
+        return
+    stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
+    for group in list(_KEPT_GATHERED):
+        if group.sharded_state is ShardedState.SHARDED:
+            _KEPT_GATHERED.discard(group)
+        elif group.training_state is TrainingState.IDLE and any(
+            id(s.sharded_param) in stepped for s in group.slots
+        ):
+            group.reshard()
+            _KEPT_GATHERED.discard(group)
 
 
 _SCALER_STEP = torch.amp.GradScaler._maybe_opt_step.__code__
@@ -310,7 +335,10 @@ class RootState:
         self._pending_reduces: list[PendingReduce | PendingAllReduce] = []
         self._next_forward: dict[int, list[ParamGroup]] = {}
         self._next_backward: dict[int, list[ParamGroup]] = {}
-        # See [Note: Ranks must issue the same collectives] in _collectives.
+        # See [Note: Ranks must issue the same collectives] in _collectives. FSHARD_DEBUG also
+        # turns prefetch off: ranks that ran different units then issue as many collectives as
+        # each other where they can, so the check names the first difference instead of the
+        # step hanging until the timeout on a prefetch the other ranks never issued.
         self._check_every_step = os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
         self._grad_forward_pending = False
@@ -347,6 +375,10 @@ class RootState:
                 group.reshard()
             if inference:
                 group.ran_since_backward = False
+            elif group.sharded_state is ShardedState.UNSHARDED:
+                # Kept for backward; until then the modules show the shards (hide_unsharded).
+                group.hide_unsharded()
+                _KEPT_GATHERED.add(group)
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
@@ -360,6 +392,8 @@ class RootState:
         self._next_backward = {id(g): [order[i - 1]] for i, g in enumerate(order) if i > 0}
 
     def forward_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        if self._check_every_step:
+            return []  # FSHARD_DEBUG: no prefetch, see __init__
         if group.explicit_forward_prefetch is not None:
             return group.explicit_forward_prefetch
         if not group.forward_prefetch_default:
@@ -367,6 +401,8 @@ class RootState:
         return self._next_forward.get(id(group), [])
 
     def backward_targets(self, group: ParamGroup, moment: BackwardPrefetch) -> list[ParamGroup]:
+        if self._check_every_step:
+            return []
         if group.explicit_backward_prefetch is not None:
             return group.explicit_backward_prefetch if moment is BackwardPrefetch.BACKWARD_PRE else []
         if group.backward_prefetch_default is not moment:

@@ -365,10 +365,9 @@ def _swap_at_step(swap_step: int, debug: bool):
     os.environ["FSHARD_DEBUG"] = "1" if debug else "0"
     try:
         model = _routed_model()
-        # Without prefetch a swap later on keeps the ranks' collective counts equal: the silent
-        # mis-pairing that only the per-step check catches (with prefetch the counts differ and
-        # the step fails with a CollectiveError at the process group's timeout).
-        fshard.set_prefetch(model, forward=False, backward="NO_PREFETCH")
+        # A swap after the first step: FSHARD_DEBUG turns prefetch off, so the ranks' collective
+        # counts stay equal and the per-step check names the difference (with prefetch on, the
+        # counts differ and the step would fail with a CollectiveError at the timeout).
         checks = []
         for step in range(3):
             route = "first" if dist.get_rank() == 0 and step == swap_step else "both"

@@ -267,6 +267,50 @@ def test_frozen_unit_with_a_dataclass_input_is_freed_when_its_input_grads_are_re
     assert all(get_pool(2).run(_frozen_dataclass_worker))
 
 
+# ------------------------------------------------------- between a forward and its backward
+
+
+def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fshard.fully_shard(model, mesh=mesh)
+    if case == "optimizer-after-forward":
+        model(_batch(99, (3, 4))).sum()  # a forward with grad and no backward, then build
+    optims = _sgd(ddp, model)
+    if case == "optimizer-after-forward":
+        # The optimizer must hold the shards, not the gathered copies the forward left.
+        assert all(fshard.is_sharded(p) for p in model.parameters())
+    for step in range(3):
+        x = _batch(step, (3, 4))
+        for m, opt in zip((ddp, model), optims, strict=True):
+            loss = m(x).pow(2).mean()
+            if case == "zero_grad":
+                m.zero_grad()  # after the forward, before the backward (last step's grads)
+                assert m is ddp or all(fshard.is_sharded(p) for p in model.parameters())
+            loss.backward()
+            if case == "eval-with-grad":
+                m(_batch(50 + step, (2, 4))).sum()  # evaluation outside torch.no_grad()
+            opt.step()
+            if case != "zero_grad":
+                opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("case", ["zero_grad", "eval-with-grad", "optimizer-after-forward"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+def test_parameters_between_a_forward_and_its_backward_are_the_shards(reshard_after_forward, case):
+    """After a forward the model shows its shards (the gathered copies kept for backward are
+    hidden): model.zero_grad() then clears last step's sharded grads, an optimizer built then
+    holds the shards; and a step frees gathered copies a forward without backward left, so
+    the next forward does not compute with the old weights."""
+    assert all(get_pool(2).run(_between_forward_and_backward_worker, reshard_after_forward, case))
+
+
 # ---------------------------------------------------------------- clear errors, not wrong numbers
 
 
