@@ -376,6 +376,11 @@ class ParamGroup:
         self.reset_backward()
         self.training_state = TrainingState.IDLE
 
+    def may_need_params_in_backward(self) -> bool:
+        """Whether this step's backward may read the gathered params (they need grad, or a
+        forward input did)."""
+        return self._num_grad_params > 0 or self._input_waiters > 0
+
     def add_input_waiter(self) -> None:
         self._input_waiters += 1
 

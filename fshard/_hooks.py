@@ -29,7 +29,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -266,12 +266,12 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
             register_optimizer_step_pre_hook(_check_optimizer_step)
         )
     module.register_forward_pre_hook(
-        _bind(_pre_forward, group), prepend=True, with_kwargs=True
+        _UncompiledUnitHook(_pre_forward, group), prepend=True, with_kwargs=True
     )
-    module.register_forward_hook(_bind(_post_forward, group), prepend=False, with_kwargs=True)
+    module.register_forward_hook(_UncompiledUnitHook(_post_forward, group), prepend=False, with_kwargs=True)
     # See [Note: model.state_dict() on a sharded model] in _state_dict.
-    module.register_state_dict_post_hook(_bind_eager(_state_dict_post, group))
-    module.register_load_state_dict_pre_hook(_bind_eager(_load_state_dict_pre, group))
+    module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
+    module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
 
 
 def _state_dict_post(
@@ -298,25 +298,46 @@ def _load_state_dict_pre(
     on_module_load_state_dict(group, module, state_dict, prefix, local_metadata, error_msgs)
 
 
-def _bind_eager(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
-    """``fn(group, *hook_args)`` as a hook that holds the unit weakly (a no-op once it is gone)."""
-    ref = weakref.ref(group)
+def _call_hook(hook: _UnitHook, *args: Any) -> Any:
+    target = hook.ref()
+    if target is None:
+        return None
+    return hook.fn(target, *args)
 
-    def hook(*args: Any) -> Any:
-        target = ref()
+
+class _UnitHook:
+    """``fn(group, *hook_args)`` as a hook that holds the unit weakly (a no-op once it is gone).
+
+    An object rather than a closure so that pickling or copying a module that holds it fails
+    with the unit's own explanation, not pickle's "Can't pickle local object".
+    """
+
+    def __init__(self, fn: Callable[..., Any], group: ParamGroup) -> None:
+        self.fn = fn
+        self.ref = weakref.ref(group)
+        self.__name__ = f"fshard_{fn.__name__.lstrip('_')}"
+
+    __call__ = _call_hook
+
+    def _refuse(self) -> TypeError:
+        target = self.ref()
         if target is None:
-            return None
-        return fn(target, *args)
+            return TypeError("cannot copy or pickle a hook of an fshard unit that no longer exists")
+        return target._refuse_copy()
 
-    hook.__name__ = f"fshard_{fn.__name__.lstrip('_')}"
-    return hook
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[object, ...]:
+        raise self._refuse()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _UnitHook:
+        raise self._refuse()
 
 
-def _bind(fn: Callable[..., Any], group: ParamGroup) -> Callable[..., Any]:
-    """``_bind_eager`` for forward hooks: under torch.compile of a model that contains units,
+class _UncompiledUnitHook(_UnitHook):
+    """A ``_UnitHook`` for forward hooks: under torch.compile of a model that contains units,
     they run eagerly (a graph break around each), since they issue collectives and swap
     parameters, which dynamo cannot trace."""
-    return torch.compiler.disable(_bind_eager(fn, group))
+
+    __call__ = torch.compiler.disable(_call_hook)
 
 
 # ------------------------------------------------------------------------------------ root state
@@ -640,18 +661,25 @@ def _post_forward(
     # The root's backward starts right after forward ends and needs its parameters first, so it
     # keeps them rather than free and re-gather them (as FSDP2 does); without grad, free all.
     keep = group is root.root or not group.reshard_after_forward
-    if not grad_enabled or not keep:
-        group.reshard()
-    group.training_state = TrainingState.IDLE
     mp = group.mp_policy
     if mp is not None and mp.output_dtype is not None:
         output = _cast_floating(output, mp.output_dtype)
     if grad_enabled:
-        hook = _bind(_pre_backward, group)
+        hook = _UncompiledUnitHook(_pre_backward, group)
         leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
+        hooked = False
         for leaf in leaves:
             if leaf.requires_grad:
                 leaf.register_hook(hook)
+                hooked = True
+        if not hooked and group.may_need_params_in_backward():
+            # Nothing returned to hang the re-gather on (the result went into an attribute, or
+            # an object fshard cannot look into), yet autograd saved the gathered params: keep
+            # them until the unit's gradients are reduced (or the backward ends).
+            keep = True
+    if not grad_enabled or not keep:
+        group.reshard()
+    group.training_state = TrainingState.IDLE
     if root.root is group:
         root.on_root_post_forward()
     return output

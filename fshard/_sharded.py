@@ -10,7 +10,7 @@ methods but no ``__torch_function__``, so there is no dispatch overhead on the h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeGuard
 
 import torch
 from torch import nn
@@ -48,6 +48,14 @@ class ShardedParameter(nn.Parameter):
                 "or built by hand); use the parameter of the sharded model itself"
             )
         return slot
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        # Pickling a sharded model reaches its parameters first: refuse as the unit does.
+        slot = self.__dict__.get("_fshard_slot")
+        group = slot.group_ref() if slot is not None else None
+        if group is not None:
+            raise group._refuse_copy()
+        return super().__reduce_ex__(protocol)
 
     def to_local(self) -> torch.Tensor:
         """This rank's shard as a plain tensor sharing storage with the parameter."""

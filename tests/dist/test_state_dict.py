@@ -319,10 +319,11 @@ def _module_state_dict_task(mesh_shape):
         model.load_state_dict(want, assign=True)
     except ValueError as exc:
         errors.append(str(exc))
-    try:
-        copy.deepcopy(model)
-    except TypeError as exc:
-        errors.append(str(exc))
+    for copy_or_pickle in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        try:
+            copy_or_pickle(model)
+        except TypeError as exc:
+            errors.append(str(exc))
     return errors
 
 
@@ -337,11 +338,13 @@ def test_state_dict_is_dtensors_under_the_unsharded_keys(mesh_shape):
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
 def test_module_state_dict_is_the_sharded_state_dict_and_loads_full_or_sharded(mesh_shape):
     world = math.prod(mesh_shape)
-    for assign_error, copy_error in get_pool(world).run(_module_state_dict_task, mesh_shape):
+    for assign_error, *copy_errors in get_pool(world).run(_module_state_dict_task, mesh_shape):
         assert "load_state_dict(assign=True) would replace fshard's sharded parameters" in assign_error
         assert "fshard.materialize(model)" in assign_error
-        assert copy_error.startswith("cannot copy or pickle the fshard unit")
-        assert "before fully_shard" in copy_error
+        assert len(copy_errors) == 3  # deepcopy, pickle.dumps, torch.save(model)
+        for copy_error in copy_errors:
+            assert copy_error.startswith("cannot copy or pickle the fshard unit")
+            assert "before fully_shard" in copy_error
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])

@@ -159,6 +159,59 @@ def test_frozen_param_needed_by_a_tensor_that_is_not_an_argument():
     assert all(get_pool(2).run(_side_input_worker))
 
 
+class _Box:
+    """A plain object fshard cannot look into (not a pytree, not a dataclass)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _HiddenOutput(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> _Box | None:
+        if self.how == "attribute":
+            self.out = self.lin(x)  # the result kept on the module, nothing returned
+            return None
+        return _Box(self.lin(x))
+
+
+class _HiddenOutputNet(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.block = _HiddenOutput(how)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        box = self.block(self.inp(x))
+        return box.value if box is not None else self.block.out
+
+
+def _hidden_output_worker(how: str):
+    torch.manual_seed(0)
+    reference = _HiddenOutputNet(how)
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model.block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), steps=3)
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("how", ["attribute", "object"])
+def test_unit_output_fshard_cannot_see_keeps_its_params_for_backward(how):
+    """A unit whose result leaves through an attribute or an opaque object gives fshard no
+    tensor to re-gather on in backward: it keeps the gathered params instead of freeing them
+    (which made the backward read freed storage)."""
+    assert all(get_pool(2).run(_hidden_output_worker, how))
+
+
 @dataclasses.dataclass
 class _Output:
     hidden: torch.Tensor
