@@ -344,13 +344,30 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     return None
 
 
-def reshard(module: nn.Module) -> None:
+def reshard(module: nn.Module, *, writeback: bool = False) -> None:
     """Free the gathered parameters of every unit in ``module`` (local, no communication).
 
+    By default changes made to the gathered (full) parameters are dropped, as they are after a
+    forward. With ``writeback=True`` each rank first copies its rows of every gathered
+    parameter into its shard, so edits made between ``unshard`` and ``reshard`` are kept (what
+    FSDP1's ``summon_full_params(writeback=True)`` does); make the same edit on every rank.
+    It refuses units that gather in a lower ``MixedPrecision.param_dtype`` than the shards.
+
     Example:
-        >>> fshard.reshard(model)  # doctest: +SKIP
+        >>> fshard.unshard(model)                    # doctest: +SKIP
+        >>> with torch.no_grad():                    # doctest: +SKIP
+        ...     model.fc.weight.mul_(0.5)            # the full parameter, on every rank
+        >>> fshard.reshard(model, writeback=True)    # doctest: +SKIP
     """
-    for group in units_or_error(module, "reshard"):
+    if not isinstance(writeback, bool):
+        raise TypeError(f"fshard.reshard: writeback must be a bool, got {writeback!r}")
+    groups = units_or_error(module, "reshard")
+    if writeback:
+        for group in groups:  # all or nothing
+            group.write_back(check_only=True)
+        for group in groups:
+            group.write_back()
+    for group in groups:
         group.reshard()
 
 

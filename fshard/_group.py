@@ -336,6 +336,36 @@ class ParamGroup:
         self._num_grad_params = num_grad_params
         self.unsharded_registered = True
 
+    def write_back(self, *, check_only: bool = False) -> None:
+        """Copy this rank's rows of each gathered parameter into its shard (``reshard``'s
+        ``writeback``): edits made to the full parameters while gathered are kept. With
+        ``check_only``, only raise if it cannot."""
+        if self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        for slot in self.slots:
+            full, shard = slot.unsharded_param, slot.sharded_param
+            if full is None:
+                raise internal_error(f"parameter {slot.fqn!r} has no unsharded param")
+            if full.dtype != shard.dtype:
+                raise ValueError(
+                    f"fshard.reshard(writeback=True): unit {self.label} holds {slot.fqn!r} "
+                    f"gathered in {full.dtype} (its MixedPrecision param_dtype) but keeps the "
+                    f"shard in {shard.dtype}; writing back would round every value of the "
+                    "shard. Edit the shards (p.to_local()) or load new values with "
+                    "fshard.load_state_dict instead."
+                )
+            if check_only:
+                continue
+            layout = slot.layout
+            rows = full.detach().reshape(layout.full_shape)
+            if not layout.replicated:
+                rows = rows.narrow(0, layout.row_offset, layout.local_shape[0])
+            if rows.data_ptr() != shard.data_ptr():  # NO_SHARD / one rank: already the shard
+                with torch.no_grad():
+                    shard.copy_(rows.reshape(layout.local_shape))
+
     def hide_unsharded(self) -> None:
         """Put the shards back in the modules but keep the gathered storage (which autograd
         saved for backward): outside a forward or backward, ``model.parameters()``, hence

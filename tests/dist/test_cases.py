@@ -422,6 +422,49 @@ def _unshard_worker():
     return local_shapes, full, after, again, dict(reference.named_parameters())
 
 
+def _writeback_worker(strategy, mp):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    kwargs = fshard.strategy_kwargs(strategy, **({"replicate_size": 2} if "HYBRID" in strategy else {}))
+    policy = fshard.MixedPrecision(param_dtype=torch.bfloat16) if mp else None
+    fshard.fully_shard(model[0], mp_policy=policy, **kwargs)
+    fshard.fully_shard(model, **kwargs)
+    fshard.unshard(model)
+    with torch.no_grad():
+        for m in (model, reference):
+            m[0].weight.mul_(-2.0)  # the same edit on every rank
+            m[1].bias.fill_(0.25)
+    try:
+        fshard.reshard(model, writeback=True)
+    except ValueError as exc:
+        return str(exc)
+    full = fshard.full_state_dict(model, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+    # Without writeback the edits are dropped.
+    fshard.unshard(model)
+    with torch.no_grad():
+        model[1].bias.fill_(9.0)
+    fshard.reshard(model)
+    return fshard.full_state_dict(model, rank0_only=False)["1.bias"].tolist()
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "strategy"),
+    [((3,), "FULL_SHARD"), ((3,), "SHARD_GRAD_OP"), ((3,), "NO_SHARD"), ((2, 2), "HYBRID_SHARD")],
+    ids=str,
+)
+def test_reshard_with_writeback_keeps_edits_to_the_gathered_params(mesh_shape, strategy):
+    for result in get_pool(math.prod(mesh_shape)).run(_writeback_worker, strategy, False):
+        assert result == [0.25] * 3 or strategy == "NO_SHARD", result
+
+
+def test_reshard_with_writeback_refuses_a_lower_precision_gather():
+    for message in get_pool(2).run(_writeback_worker, "FULL_SHARD", True):
+        assert "fshard.reshard(writeback=True): unit '0' holds '0.weight' gathered in torch.bfloat16" in message
+
+
 def test_unshard_and_reshard_by_hand():
     for local_shapes, full, after, again, ref in get_pool(3).run(_unshard_worker):
         assert local_shapes == after
