@@ -638,7 +638,20 @@ def _used_while_sharded(
             stacklevel=2,
         )
 
+    hook._fshard_internal = True  # type: ignore[attr-defined]  # not run by _run_user_grad_hooks
     return hook
+
+
+def _run_user_grad_hooks(param: torch.Tensor) -> None:
+    """Run the post-accumulate-grad hooks users registered on a sharded param, once its reduced
+    gradient has landed in ``.grad`` (autograd never accumulates into a sharded param itself).
+    This is what optimizer-in-backward (a per-parameter ``step()`` in such a hook) needs."""
+    hooks = param._post_accumulate_grad_hooks
+    if not hooks:
+        return
+    for hook in list(hooks.values()):
+        if not getattr(hook, "_fshard_internal", False):
+            hook(param)
 
 
 class _Reduced(NamedTuple):
@@ -700,3 +713,4 @@ class _Reduced(NamedTuple):
                 param.grad = grad
             else:
                 param.grad.add_(grad)
+            _run_user_grad_hooks(param)

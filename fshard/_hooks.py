@@ -126,7 +126,7 @@ def _free_stale_gathered(optimizer: torch.optim.Optimizer) -> None:
     local and every rank steps, so the next gather is issued on every rank. One truth test per
     step in the usual loop (a backward frees them).
     """
-    if not _KEPT_GATHERED:
+    if not _KEPT_GATHERED or in_backward():  # optimizer-in-backward: freed as backward ends
         return
     stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
     for group in list(_KEPT_GATHERED):

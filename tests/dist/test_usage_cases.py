@@ -364,6 +364,49 @@ def test_parameters_between_a_forward_and_its_backward_are_the_shards(reshard_af
     assert all(get_pool(2).run(_between_forward_and_backward_worker, reshard_after_forward, case))
 
 
+# ------------------------------------------------------------------ optimizer in backward
+
+
+def _optimizer_in_backward_worker(mesh_shape):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    # One optimizer per (sharded) parameter, stepped as soon as its reduced gradient lands.
+    per_param = {p: torch.optim.AdamW([p], lr=0.01) for p in model.parameters()}
+    stepped = []
+
+    def step_now(p: torch.Tensor) -> None:
+        assert fshard.is_sharded(p) and p.grad is not None and p.grad.shape == p.shape
+        per_param[p].step()
+        per_param[p].zero_grad()
+        stepped.append(p)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    for step in range(3):
+        x = _batch(step, (3, 4))
+        ddp(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        stepped.clear()
+        model(x).pow(2).mean().backward()
+        assert len(stepped) == 4 and all(p.grad is None for p in model.parameters())
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_optimizer_in_backward_equals_ddp(mesh_shape):
+    """Post-accumulate-grad hooks registered on the sharded params run once the reduced
+    gradient lands in ``.grad``: a per-parameter optimizer step there trains like DDP."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_optimizer_in_backward_worker, mesh_shape))
+
+
 # ---------------------------------------------------------------- clear errors, not wrong numbers
 
 
