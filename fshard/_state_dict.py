@@ -19,7 +19,9 @@ rank 0 for a mesh over all ranks.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -750,6 +752,44 @@ def _receive_shard(
 
 # -------------------------------------------------------------------------------- optimizer
 
+# [Note: optimizer class on load]
+# torch's Optimizer.load_state_dict takes any optimizer's state: AdamW's moments load into RAdam
+# (same keys, other meaning) and train silently, and into Adamax (other keys) to fail at the first
+# step with a bare KeyError. fshard.optim_state_dict (and the checkpoint manifest) record the
+# optimizer's class, and a load into another class is an error naming both. A state dict without
+# the record (a plain opt.state_dict()) is checked as well as its content allows: hyperparameters
+# that differ both ways, then each parameter's state keys against a one-step probe of this
+# optimizer's class with the loaded hyperparameters (amsgrad adds max_exp_avg_sq, momentum adds
+# momentum_buffer). A key whose saved value is None may be absent from the probe (older torch
+# saved SGD's momentum_buffer as None), and a probe key may hold None in the state dict (a
+# checkpoint's non-tensor state before it is read).
+
+OPTIMIZER_CLASS_KEY = "optimizer_class"
+
+STRICT_HINT = (
+    "For a model that gained or lost parameters, pass strict=False to load the state of the "
+    "parameters both sides hold."
+)
+
+# Group entries that are not hyperparameters: the optimizer's own parameters and their names
+# (torch records ``param_names`` for optimizers built from ``named_parameters()``).
+_NOT_HYPERPARAMETERS = frozenset({"params", "param_names"})
+
+_OTHER_CLASS_HINT = (
+    "Build the optimizer with the class (and param groups) of the run that saved the state, or "
+    "do not load this optimizer state and start the optimizer fresh (for a checkpoint: "
+    "fshard.checkpoint.load(path, model) without the optimizer)."
+)
+
+
+def _class_name(optim: torch.optim.Optimizer) -> str:
+    cls = type(optim)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+
 
 def _param_names(entries: list[_Entry]) -> dict[int, tuple[str, ParamSlot | None]]:
     """``id(param) -> (canonical name, slot)``; a tied param is named by its first key."""
@@ -826,11 +866,16 @@ def optim_state_dict(
     replicated values. ``param_groups`` keep their hyperparameters, with ``params`` listing
     parameter names. With ``full=True`` shard-shaped state is gathered (one tensor at a time) into
     full CPU tensors, on every rank or, with ``rank0_only``, on rank 0 only (``{}`` elsewhere).
+    A third key, ``"optimizer_class"``, names the optimizer's class
+    (``"torch.optim.adamw.AdamW"``), so that ``load_optim_state_dict`` refuses to load the state
+    into another kind of optimizer (torch's ``Optimizer.load_state_dict`` ignores the key).
 
     Example:
         >>> osd = fshard.optim_state_dict(model, opt)          # doctest: +SKIP
         >>> osd["state"]["layers.0.weight"]["exp_avg"]         # doctest: +SKIP
         DTensor(local_tensor=..., placements=(Shard(dim=0),))
+        >>> osd["optimizer_class"]                             # doctest: +SKIP
+        'torch.optim.adamw.AdamW'
     """
     where = "fshard.optim_state_dict"
     named_groups, _ = _named_params(model, optim, where)
@@ -884,17 +929,40 @@ def optim_state_dict(
         copy = {k: v for k, v in group.items() if k != "params"}
         copy["params"] = [n for n, _ in named]
         param_groups.append(copy)
-    return {"state": state, "param_groups": param_groups}
+    return {"state": state, "param_groups": param_groups, OPTIMIZER_CLASS_KEY: _class_name(optim)}
 
 
 def load_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
-) -> None:
-    """Load a name-keyed optimizer state dict (sharded or full, from any mesh) into ``optim``.
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+) -> LoadResult:
+    """Load an optimizer state dict (sharded or full, from any mesh) into ``optim``.
+
+    ``state_dict`` is keyed by parameter name (``fshard.optim_state_dict``, of this run or of
+    another mesh), or it is a plain ``opt.state_dict()`` of an unsharded run, keyed by position
+    (state ``0..n-1``, ``param_groups[i]["params"]`` lists of ints). Positions are mapped to this
+    optimizer's parameters in param-group order, as ``torch.optim.Optimizer.load_state_dict``
+    does, so build the optimizer with the same groups, in the same order, as the run that saved
+    it; the group count and sizes must match.
 
     The saved ``param_groups`` must hold the same parameter names as ``optim``'s groups (in any
     order); their hyperparameters are restored. DTensor state is resharded to this rank's shard,
-    full tensors shaped like a parameter are sliced, other values are loaded as they are.
+    full tensors shaped like a parameter are sliced, other values are loaded as they are. State
+    of another optimizer class is refused, naming both classes: by the ``"optimizer_class"`` that
+    ``fshard.optim_state_dict`` records, and, for state dicts without it, by comparing each
+    parameter's state keys with the ones this optimizer makes (for ``torch.optim``'s classes).
+
+    With ``strict=False`` (for a model that gained or lost parameters) only the state of the
+    parameters both sides hold is loaded: saved state of parameters the optimizer does not hold
+    is skipped, and parameters that no saved group lists keep their current state (none, for a
+    fresh optimizer). Each of ``optim``'s groups takes the hyperparameters of the saved group
+    that lists its parameters; a group none of whose parameters were saved keeps its own, and a
+    group whose parameters were saved in different groups is an error. Shape mismatches and
+    another optimizer class are errors either way. The skipped names come back in a
+    ``LoadResult``: ``missing_keys`` (held, not saved) and ``unexpected_keys`` (saved, not held).
 
     The optimizer gets its own copies: it never shares a tensor with ``state_dict`` (or with
     the optimizer that produced it), so stepping one cannot change the other.
@@ -902,57 +970,144 @@ def load_optim_state_dict(
     Example:
         >>> osd = fshard.optim_state_dict(model, opt)         # doctest: +SKIP
         >>> fshard.load_optim_state_dict(model, opt, osd)     # doctest: +SKIP
+        LoadResult(missing_keys=[], unexpected_keys=[])
+        >>> plain = unsharded_opt.state_dict()                # doctest: +SKIP
+        >>> fshard.load_optim_state_dict(model, opt, plain)   # doctest: +SKIP
+        LoadResult(missing_keys=[], unexpected_keys=[])
     """
-    _load_optim(model, optim, state_dict, copy=True)
+    return _load_optim(model, optim, state_dict, copy=True, strict=strict)
 
 
-def _load_optim(
-    model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], *, copy: bool
-) -> None:
-    """``load_optim_state_dict``; ``copy=False`` when the caller owns fresh tensors (checkpoints)."""
-    where = "fshard.load_optim_state_dict"
-    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
-        raise ValueError(
-            f"{where}: expected a mapping with 'state' and 'param_groups' (from "
-            f"fshard.optim_state_dict), got {type(state_dict).__name__} with keys "
-            f"{sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}"
-        )
-    named_groups, _ = _named_params(model, optim, where)
-    saved_groups = list(state_dict["param_groups"])
-    saved_state: Mapping[str, Mapping[str, Any]] = state_dict.get("state", {})
+class _SavedOptim(NamedTuple):
+    """A state dict's groups and state, keyed by parameter name."""
+
+    groups: list[Mapping[str, Any]]
+    state: Mapping[str, Mapping[str, Any]]
+
+
+def _by_name(
+    state_dict: Mapping[str, Any],
+    named_groups: list[list[tuple[str, ParamSlot | None]]],
+    where: str,
+) -> _SavedOptim:
+    """``state_dict`` keyed by parameter name; a position-keyed one is mapped like torch does.
+
+    A plain ``opt.state_dict()`` numbers the parameters: ``param_groups[g]["params"][j]`` is the
+    ``j``-th parameter of group ``g``, and ``state`` is keyed by those numbers. As in
+    ``Optimizer.load_state_dict``, the ``j``-th number of saved group ``g`` stands for the ``j``-th
+    parameter of this optimizer's group ``g``.
+    """
+    groups = list(state_dict["param_groups"])
+    state: Mapping[Any, Mapping[str, Any]] = state_dict.get("state", {})
+    listed = [p for group in groups for p in group.get("params", [])]
+    if all(isinstance(p, str) for p in listed) and all(isinstance(k, str) for k in state):
+        return _SavedOptim(groups, state)
     problems = ProblemList(where)
-    if len(saved_groups) != len(named_groups):
+    if any(isinstance(p, str) for p in listed) or any(isinstance(k, str) for k in state):
         problems.add(
-            f"the state dict has {len(saved_groups)} param group(s) but the optimizer has "
-            f"{len(named_groups)}"
+            "the state dict mixes parameter names and positions in its 'params' lists or 'state' "
+            "keys; pass fshard.optim_state_dict's dict (names) or an unsharded opt.state_dict() "
+            "(positions)"
         )
-    known = {n for group in named_groups for n, _ in group}
-    for g_index, (saved, current) in enumerate(zip(saved_groups, named_groups, strict=False)):
-        saved_names = list(saved.get("params", []))
-        current_names = [n for n, _ in current]
-        if set(saved_names) != set(current_names):
-            only_saved = sorted(set(saved_names) - set(current_names))
-            only_current = sorted(set(current_names) - set(saved_names))
-            problems.add(
-                f"param_groups[{g_index}] holds different parameters: only in the state dict "
-                f"{only_saved}, only in the optimizer {only_current}"
-            )
-        # Hyperparameters missing on one side only are torch versions apart (filled from the
-        # optimizer below); missing on both sides means another optimizer class.
-        saved_keys = set(saved) - {"params"}
-        current_keys = set(optim.param_groups[g_index]) - {"params"}
-        if saved_keys - current_keys and current_keys - saved_keys:
-            problems.add(
-                f"param_groups[{g_index}] has hyperparameters {sorted(saved_keys - current_keys)} "
-                f"that {type(optim).__name__} does not take and lacks its "
-                f"{sorted(current_keys - saved_keys)}: the state dict comes from another kind of "
-                "optimizer"
-            )
-    unknown = sorted(set(saved_state) - known)
+    elif len(groups) != len(named_groups):
+        problems.add(
+            f"the state dict numbers parameters by position (a plain opt.state_dict()) and has "
+            f"{len(groups)} param group(s), but the optimizer has {len(named_groups)}"
+        )
+    else:
+        for g_index, (saved, current) in enumerate(zip(groups, named_groups, strict=True)):
+            positions = list(saved.get("params", []))
+            if len(positions) != len(current):
+                problems.add(
+                    f"param_groups[{g_index}] of the state dict holds {len(positions)} "
+                    f"parameter position(s), but the optimizer's group holds {len(current)} "
+                    f"parameter(s) ({[n for n, _ in current][:3]}...)"
+                )
+    problems.raise_if_any(
+        ValueError,
+        hint=(
+            "A plain opt.state_dict() loads by position: build the optimizer with the same param "
+            "groups, holding the same parameters in the same order, as the run that saved it "
+            "(e.g. torch.optim.AdamW(model.parameters()) on both sides)."
+        ),
+    )
+    name_of: dict[Any, str] = {}
+    named: list[Mapping[str, Any]] = []
+    for saved, current in zip(groups, named_groups, strict=True):
+        for position, (name, _) in zip(saved.get("params", []), current, strict=True):
+            name_of[position] = name
+        named.append({**saved, "params": [n for n, _ in current]})
+    unknown = sorted((k for k in state if k not in name_of), key=repr)
     if unknown:
-        problems.add(f"state for parameter(s) the optimizer does not hold: {unknown}")
+        raise ValueError(
+            f"{where}: the state dict has state for position(s) {unknown} that no param group "
+            "lists; pass a state dict made by opt.state_dict()"
+        )
+    return _SavedOptim(named, {name_of[k]: v for k, v in state.items()})
+
+
+def _match_groups(
+    saved: _SavedOptim,
+    named_groups: list[list[tuple[str, ParamSlot | None]]],
+    strict: bool,
+    problems: ProblemList,
+) -> tuple[list[int | None], list[str], list[str]]:
+    """For each of the optimizer's groups, the saved group it loads from (or ``None``).
+
+    Also returns the parameter names the optimizer holds but no saved group lists (missing) and
+    those saved but not held (unexpected); under ``strict`` any of either is a problem.
+    """
+    known = {n for group in named_groups for n, _ in group}
+    group_of: dict[str, int] = {}
+    for s_index, group in enumerate(saved.groups):
+        for name in group.get("params", []):
+            group_of.setdefault(name, s_index)
+    missing = [n for group in named_groups for n, _ in group if n not in group_of]
+    unexpected = sorted((set(group_of) | set(saved.state)) - known)
+    if strict:
+        if len(saved.groups) != len(named_groups):
+            problems.add(
+                f"the state dict has {len(saved.groups)} param group(s) but the optimizer has "
+                f"{len(named_groups)}"
+            )
+        for g_index, (group, current) in enumerate(zip(saved.groups, named_groups, strict=False)):
+            saved_names = set(group.get("params", []))
+            current_names = {n for n, _ in current}
+            if saved_names != current_names:
+                problems.add(
+                    f"param_groups[{g_index}] holds different parameters: only in the state dict "
+                    f"{sorted(saved_names - current_names)}, only in the optimizer "
+                    f"{sorted(current_names - saved_names)}"
+                )
+        only_state = sorted(set(saved.state) - known)
+        if only_state:
+            problems.add(f"state for parameter(s) the optimizer does not hold: {only_state}")
+        matched: list[int | None] = [
+            g if g < len(saved.groups) else None for g in range(len(named_groups))
+        ]
+        return matched, [], []
+    matched = []
+    for g_index, current in enumerate(named_groups):
+        sources = sorted({group_of[n] for n, _ in current if n in group_of})
+        if len(sources) > 1:
+            problems.add(
+                f"param_groups[{g_index}] holds parameters that the state dict keeps in "
+                f"different groups {sources} (e.g. "
+                f"{[next(n for n, _ in current if group_of.get(n) == s) for s in sources[:2]]}), "
+                "so strict=False cannot tell whose hyperparameters it takes; group the "
+                "optimizer's parameters as the run that saved it did"
+            )
+        matched.append(sources[0] if sources else None)
+    return matched, missing, unexpected
+
+
+def _check_state_shapes(
+    saved: _SavedOptim,
+    named_groups: list[list[tuple[str, ParamSlot | None]]],
+    problems: ProblemList,
+) -> None:
     slots = {n: s for group in named_groups for n, s in group}
-    for name, st in saved_state.items():
+    for name, st in saved.state.items():
         slot = slots.get(name)
         if slot is None or not isinstance(st, Mapping):
             continue
@@ -962,33 +1117,170 @@ def _load_optim(
                 continue
             if isinstance(value, DTensor):
                 bad = value.shape != want
-            else:  # full, this rank's shard (refused below, with advice), or a scalar
+            else:  # full, this rank's shard (refused later, with advice), or a scalar
                 bad = value.dim() > 0 and value.shape not in (want, slot.layout.local_shape)
             if bad:
                 problems.add(
                     f"state[{name!r}][{key!r}]: shape mismatch, the parameter has shape "
                     f"{list(want)} but the state has {list(value.shape)}"
                 )
-    problems.raise_if_any(ValueError)
 
+
+def _check_recorded_class(
+    optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], where: str
+) -> bool:
+    """Refuse state saved from another optimizer class; returns whether a class was recorded.
+
+    See [Note: optimizer class on load].
+    """
+    recorded = state_dict.get(OPTIMIZER_CLASS_KEY)
+    if recorded is None:
+        return False
+    mine = _class_name(optim)
+    if recorded != mine:
+        raise ValueError(
+            f"{where}: the optimizer state was saved from a {recorded} (its "
+            f"{OPTIMIZER_CLASS_KEY!r}), but this optimizer is a {mine}: another optimizer class "
+            f"keeps other state, or the same state with another meaning.\n{_OTHER_CLASS_HINT}"
+        )
+    return True
+
+
+def _check_unrecorded_kind(
+    optim: torch.optim.Optimizer,
+    saved: _SavedOptim,
+    named_groups: list[list[tuple[str, ParamSlot | None]]],
+    matched: list[int | None],
+    problems: ProblemList,
+) -> None:
+    """Without a recorded class, tell another optimizer's state by its content (see the Note)."""
+    mine = _class_name(optim)
+    for g_index, s_index in enumerate(matched):
+        if s_index is None:
+            continue
+        saved_keys = set(_hyperparameters(saved.groups[s_index]))
+        current_keys = set(_hyperparameters(optim.param_groups[g_index]))
+        if saved_keys - current_keys and current_keys - saved_keys:
+            problems.add(
+                f"param_groups[{g_index}] has hyperparameters {sorted(saved_keys - current_keys)} "
+                f"that {mine} does not take and lacks its {sorted(current_keys - saved_keys)}: "
+                "the state dict comes from another kind of optimizer"
+            )
+            return
+    made: dict[tuple[int, int, torch.dtype, torch.device], frozenset[str] | None] = {}
+    for g_index, (current, s_index) in enumerate(zip(named_groups, matched, strict=True)):
+        hyper = _hyperparameters(optim.param_groups[g_index])
+        if s_index is not None:
+            hyper.update(_hyperparameters(saved.groups[s_index]))
+        params = optim.param_groups[g_index]["params"]
+        for (name, _), param in zip(current, params, strict=True):
+            st = saved.state.get(name)
+            if not isinstance(st, Mapping):
+                continue
+            probe_key = (g_index, param.dim(), param.dtype, param.device)
+            if probe_key not in made:
+                made[probe_key] = _state_keys_made(optim, hyper, param)
+            keys = made[probe_key]
+            present = {k for k, v in st.items() if v is not None}
+            if keys is None or present <= keys <= set(st):
+                continue
+            problems.add(
+                f"state[{name!r}] has keys {sorted(st)}, but {mine} with param_groups[{g_index}]'s "
+                f"hyperparameters makes {sorted(keys)}: the state dict comes from another kind "
+                "of optimizer"
+            )
+            return
+
+
+def _state_keys_made(
+    optim: torch.optim.Optimizer, hyperparameters: Mapping[str, Any], param: torch.Tensor
+) -> frozenset[str] | None:
+    """The state keys ``optim``'s class makes for a parameter like ``param`` in one step.
+
+    Known only for ``torch.optim``'s own classes, whose constructors take their ``defaults`` and
+    have no side effects: a one-element probe parameter takes one step. ``None`` when unknown
+    (another class, or one that cannot step a probe: LBFGS needs a closure, SparseAdam sparse
+    gradients).
+    """
+    cls = type(optim)
+    if not cls.__module__.startswith("torch.optim"):
+        return None
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in optim.defaults.items() if k in accepted}
+        probe = torch.zeros(
+            (1,) * param.dim(), dtype=param.dtype, device=param.device, requires_grad=True
+        )
+        probe.grad = torch.ones_like(probe)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other = cls([{**hyperparameters, "params": [probe]}], **kwargs)
+            other.step()
+    except Exception as exc:  # the check is a courtesy: skip it when the probe cannot run
+        logger.debug("fshard: cannot probe %s's optimizer state keys: %s", cls.__name__, exc)
+        return None
+    return frozenset(other.state[probe])
+
+
+def _load_optim(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    *,
+    copy: bool,
+    strict: bool = True,
+    check_only: bool = False,
+    where: str = "fshard.load_optim_state_dict",
+) -> LoadResult:
+    """``load_optim_state_dict``; ``copy=False`` when the caller owns fresh tensors (checkpoints).
+
+    ``check_only`` validates ``state_dict`` (its keys, shapes and optimizer class; the values are
+    not read) and loads nothing, so a checkpoint can be checked before anything is read.
+    """
+    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
+        raise ValueError(
+            f"{where}: expected a mapping with 'state' and 'param_groups' (from "
+            f"fshard.optim_state_dict, or an unsharded run's opt.state_dict()), got "
+            f"{type(state_dict).__name__} with keys "
+            f"{sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}"
+        )
+    named_groups, _ = _named_params(model, optim, where)
+    recorded = _check_recorded_class(optim, state_dict, where)
+    saved = _by_name(state_dict, named_groups, where)
+    problems = ProblemList(where)
+    matched, missing, unexpected = _match_groups(saved, named_groups, strict, problems)
+    _check_state_shapes(saved, named_groups, problems)
+    problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
+    if not recorded:
+        _check_unrecorded_kind(optim, saved, named_groups, matched, problems)
+        problems.raise_if_any(ValueError, hint=_OTHER_CLASS_HINT)
+    if check_only:
+        return LoadResult(missing, unexpected)
+
+    saved_names = {n for group in saved.groups for n in group.get("params", [])}
     torch_state: dict[int, dict[str, Any]] = {}
     torch_groups: list[dict[str, Any]] = []
     index = 0
-    for saved, current in zip(saved_groups, named_groups, strict=True):
+    for g_index, (current, s_index) in enumerate(zip(named_groups, matched, strict=True)):
+        params = optim.param_groups[g_index]["params"]
         ids = []
-        for name, slot in current:
+        for (name, slot), param in zip(current, params, strict=True):
             ids.append(index)
-            if name in saved_state:
+            if name in saved.state:
                 torch_state[index] = {
                     key: _local_state(value, slot, name, key, where, copy=copy)
-                    for key, value in saved_state[name].items()
+                    for key, value in saved.state[name].items()
                 }
+            elif name not in saved_names and param in optim.state:
+                torch_state[index] = dict(optim.state[param])  # strict=False: not saved, kept
             index += 1
-        group = {k: v for k, v in optim.param_groups[len(torch_groups)].items() if k != "params"}
-        group.update((k, v) for k, v in saved.items() if k != "params")
+        group = dict(optim.param_groups[g_index])
+        if s_index is not None:
+            group.update(_hyperparameters(saved.groups[s_index]))
         group["params"] = ids
         torch_groups.append(group)
     optim.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+    return LoadResult(missing, unexpected)
 
 
 def _local_state(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import io
 import json
 import logging
@@ -65,6 +66,8 @@ from fshard import _collectives
 from fshard._errors import ProblemList
 from fshard._param import ParamSlot
 from fshard._state_dict import (
+    OPTIMIZER_CLASS_KEY,
+    STRICT_HINT,
     _as_dtensor,
     _entries,
     _load_optim,
@@ -494,6 +497,7 @@ def _optim_manifest(model: nn.Module, osd: Mapping[str, Any]) -> dict[str, Any]:
                 described[key] = {"kind": "object"}
         state[name] = described
     return {
+        "class": osd.get(OPTIMIZER_CLASS_KEY),
         "param_groups": _encode(list(osd["param_groups"]), "optimizer param_groups", None),
         "state": state,
     }
@@ -612,9 +616,18 @@ def _publish(tmp: str, path: str, token: str) -> None:
 
 
 def _optim_template(
-    model: nn.Module, optimizer: torch.optim.Optimizer, desc: Mapping[str, Any], where: str
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    desc: Mapping[str, Any],
+    where: str,
+    *,
+    strict: bool,
 ) -> dict[str, dict[str, Any]]:
-    """Empty tensors to load the saved optimizer state into, laid out like this run's params."""
+    """Empty tensors to load the saved optimizer state into, laid out like this run's params.
+
+    With ``strict=False`` the state of parameters the optimizer does not hold is left out (not
+    read); otherwise it is an error.
+    """
     names = _param_names(_entries(model, where))
     by_name: dict[str, tuple[ParamSlot | None, torch.Tensor]] = {}
     for group in optimizer.param_groups:
@@ -626,9 +639,11 @@ def _optim_template(
     out: dict[str, dict[str, Any]] = {}
     for name, entries in desc["state"].items():
         if name not in by_name:
-            problems.add(
-                f"the checkpoint has optimizer state for {name!r}, which the optimizer does not hold"
-            )
+            if strict:
+                problems.add(
+                    f"the checkpoint has optimizer state for {name!r}, which the optimizer does "
+                    "not hold"
+                )
             continue
         slot, param = by_name[name]
         per: dict[str, Any] = {}
@@ -650,8 +665,16 @@ def _optim_template(
             else:
                 per[key] = torch.empty(shape, dtype=dtype, device=param.device)
         out[name] = per
-    problems.raise_if_any(ValueError)
+    problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
     return out
+
+
+def _optim_to_load(desc: Mapping[str, Any], state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The name-keyed optimizer state dict of a checkpoint, for ``_load_optim``."""
+    osd: dict[str, Any] = {"state": state, "param_groups": _decode(desc["param_groups"], None)}
+    if desc.get("class") is not None:  # checkpoints of older fshard versions do not record it
+        osd[OPTIMIZER_CLASS_KEY] = desc["class"]
+    return osd
 
 
 def load(
@@ -666,9 +689,18 @@ def load(
 
     Collective. Works at any world size and mesh shape (each rank reads the byte ranges of its
     own shards). Returns this rank's ``extra`` (a rank that did not exist when saving gets rank
-    0's). Missing or unexpected keys and shape mismatches are errors naming the keys
-    (``strict=False`` loads the keys both sides have); ``verify`` checks every file's size and
-    CRC32 first, so a truncated or corrupted file is an error naming it.
+    0's). Missing or unexpected keys and shape mismatches are errors naming the keys;
+    ``verify`` checks every file's size and CRC32 first, so a truncated or corrupted file is an
+    error naming it. The optimizer must be of the class that saved the state (an error names
+    both classes otherwise). Keys, shapes and the optimizer class are all checked before
+    anything is loaded.
+
+    ``strict=False`` (for a model that gained or lost parameters) loads the keys both sides
+    have, for the model and the optimizer alike: the optimizer state of parameters both sides
+    hold is loaded, a parameter the checkpoint lacks keeps its current (fresh) optimizer state,
+    and each of the optimizer's param groups takes the hyperparameters of the saved group that
+    holds its parameters (see ``fshard.load_optim_state_dict``). Shape mismatches are errors
+    either way.
 
     Example:
         >>> extra = fshard.checkpoint.load("runs/step-100", model, opt)  # doctest: +SKIP
@@ -729,14 +761,19 @@ def load(
         }
     }
     optim_desc = manifest.get("optimizer") if optimizer is not None else None
+    load_optim = None
     if optimizer is not None and optim_desc is not None:
-        to_load["optim"] = _optim_template(model, optimizer, optim_desc, where)
+        to_load["optim"] = _optim_template(model, optimizer, optim_desc, where, strict=strict)
+        # The template tensors are ours alone: no copy needed.
+        load_optim = functools.partial(
+            _load_optim, model, optimizer, copy=False, strict=strict, where=f"{where}({root})"
+        )
+        # Keys, shapes and the class, before anything is read.
+        load_optim(_optim_to_load(optim_desc, to_load["optim"]), check_only=True)
     _dcp_load(to_load, root, no_dist=False)
     load_state_dict(model, to_load["model"], strict=False)
-    if optimizer is not None and optim_desc is not None:
-        groups = _decode(optim_desc["param_groups"], None)
-        # The template tensors are ours alone: no copy needed.
-        _load_optim(model, optimizer, {"state": to_load["optim"], "param_groups": groups}, copy=False)
+    if load_optim is not None and optim_desc is not None:
+        load_optim(_optim_to_load(optim_desc, to_load["optim"]))
     extra, error = None, None
     try:
         extra = _read_extra(root, manifest, rank)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -508,7 +508,12 @@ def reshard(
 
 
 def _is_optim_state_dict(tree: Any) -> bool:
-    return isinstance(tree, Mapping) and set(tree) == {"state", "param_groups"}
+    """``fshard.optim_state_dict``'s form: ``state``, ``param_groups`` and ``optimizer_class``."""
+    return isinstance(tree, Mapping) and {"state", "param_groups"} <= set(tree) <= {
+        "state",
+        "param_groups",
+        "optimizer_class",
+    }
 
 
 def _rename_mapping(mapping: Mapping[Any, Any], fn: Callable[[str], str], where: str) -> dict[Any, Any]:
@@ -530,8 +535,10 @@ def map_keys(tree: Mapping[str, Any], fn: Callable[[str], str]) -> dict[str, Any
     """Rename the keys of a state dict with ``fn``; values are kept as they are.
 
     For an optimizer state dict from ``fshard.optim_state_dict`` (keys ``state`` and
-    ``param_groups``) the parameter names are renamed: the keys of ``state`` and the names in
-    each group's ``params``. Two keys that map to the same name are an error naming both.
+    ``param_groups``, and ``optimizer_class``, kept as it is) the parameter names are renamed:
+    the keys of ``state`` and the names in each group's ``params`` and ``param_names`` (which
+    torch records for an optimizer built from ``named_parameters()``). Two keys that map to the
+    same name are an error naming both.
 
     Example:
         >>> map_keys({"a.w": 1, "b": 2}, lambda k: k.replace("a.", "enc."))
@@ -543,10 +550,12 @@ def map_keys(tree: Mapping[str, Any], fn: Callable[[str], str]) -> dict[str, Any
         groups = []
         for group in tree["param_groups"]:
             new_group = dict(group)
-            if "params" in group:
-                new_group["params"] = [fn(p) if isinstance(p, str) else p for p in group["params"]]
+            for names in ("params", "param_names"):
+                if names in group:
+                    new_group[names] = [fn(p) if isinstance(p, str) else p for p in group[names]]
             groups.append(new_group)
         return {
+            **tree,
             "state": _rename_mapping(tree["state"], fn, "transforms.map_keys(state)"),
             "param_groups": groups,
         }
@@ -583,25 +592,51 @@ def strip_prefix(
     return map_keys(tree, strip)
 
 
-def cast(tree: Any, dtype: torch.dtype, *, floating_only: bool = True) -> Any:
+def cast(
+    tree: Any,
+    dtype: torch.dtype,
+    *,
+    floating_only: bool = True,
+    skip_keys: Collection[str] = ("step",),
+) -> Any:
     """Cast the tensors of ``tree`` to ``dtype`` (only floating-point ones by default).
+
+    Leaves stored under a key in ``skip_keys`` are left as they are. The default, ``("step",)``,
+    keeps optimizer step counters exact (Adam's ``state[name]["step"]`` is a float32 tensor, and
+    bfloat16 counts exactly only up to 256, float16 up to 2048). The key is the leaf's own key,
+    the last one on its path: a model buffer ``blocks.0.step`` is cast, a top-level ``step`` is
+    not. Pass ``skip_keys=()`` to cast everything.
 
     Example:
         >>> out = cast({"w": torch.ones(2), "n": torch.tensor(3)}, torch.bfloat16)
         >>> out["w"].dtype, out["n"].dtype
         (torch.bfloat16, torch.int64)
+        >>> osd = {"state": {"w": {"step": torch.tensor(257.), "exp_avg": torch.ones(2)}}}
+        >>> cast(osd, torch.bfloat16)["state"]["w"]["step"]
+        tensor(257.)
+        >>> cast(osd, torch.bfloat16, skip_keys=())["state"]["w"]["step"]
+        tensor(256., dtype=torch.bfloat16)
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"transforms.cast: dtype must be a torch.dtype, got {dtype!r}")
+    if isinstance(skip_keys, str):
+        raise TypeError(
+            f"transforms.cast: skip_keys must be a collection of keys, got the string "
+            f"{skip_keys!r}; pass ({skip_keys!r},)"
+        )
+    skipped = frozenset(skip_keys)
+    paths, leaves, spec = _flatten(tree)
 
-    def fn(leaf: Any) -> Any:
+    def fn(path: PathKey, leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if floating_only and not leaf.is_floating_point():
             return leaf
+        if path and isinstance(path[-1], str) and path[-1] in skipped:
+            return leaf
         return leaf.to(dtype)
 
-    return optree.tree_map(fn, tree, none_is_leaf=True)
+    return optree.tree_unflatten(spec, [fn(p, leaf) for p, leaf in zip(paths, leaves, strict=True)])
 
 
 def to_cpu(tree: Any) -> Any:

@@ -377,3 +377,70 @@ def test_module_extra_state_round_trips(tmp_path):
     path = str(tmp_path / "extra-state")
     get_pool(2).run(_extra_state_task, path, True)
     assert get_pool(1).run(_extra_state_task, path, False) == [([1.0, 2.0, 3.0], "trained")]
+
+
+# --------------------------------------------------------------- optimizer: class and strict
+
+
+def _other_optimizer_task(path, cls_name):
+    model = C.build_sharded((dist.get_world_size(),), seed=5)
+    opt = getattr(torch.optim, cls_name)(model.parameters(), lr=0.01)
+    before = C.full_params(model)
+    with pytest.raises(ValueError) as info:
+        ckpt.load(path, model, opt)
+    C.assert_same_tensors(C.full_params(model), before, what="model after the refused load")
+    assert not opt.state  # nothing loaded
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("cls_name", "qualified"), [("Adamax", "torch.optim.adamax.Adamax"), ("RAdam", "torch.optim.radam.RAdam")])
+def test_loading_into_another_optimizer_class_names_both_and_loads_nothing(saved_2, cls_name, qualified):
+    """AdamW's state loaded into Adamax failed at its first step (KeyError 'exp_inf'), and into
+    RAdam (the same state keys) trained on silently."""
+    for message in get_pool(2).run(_other_optimizer_task, str(saved_2), cls_name):
+        assert "saved from a torch.optim.adamw.AdamW" in message, message
+        assert f"this optimizer is a {qualified}" in message, message
+        assert "without the optimizer" in message, message
+
+
+def test_a_checkpoint_without_the_optimizer_class_is_checked_by_its_state_keys(saved_2, tmp_path):
+    """Checkpoints of older fshard versions record no class: AdamW's keys do not fit Adamax."""
+    path = _copy(saved_2, tmp_path / "no-class")
+    _rewrite_manifest(path, lambda body: body["optimizer"].pop("class"))
+    for message in get_pool(2).run(_other_optimizer_task, str(path), "Adamax"):
+        assert re.search(r"state\['.*'\] has keys \['exp_avg', 'exp_avg_sq', 'step'\], but torch\.optim\.adamax\.Adamax", message), message
+        assert "makes ['exp_avg', 'exp_inf', 'step']" in message, message
+    # The optimizer class that saved it still loads.
+    results = get_pool(2).run(_load_only_task, str(path))
+    assert all(extra == {"step": 1} for extra, _ in results)
+
+
+def _non_strict_optim_task(path, layers):
+    world = dist.get_world_size()
+    reference = C.build_sharded((world,), seed=5)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1.0)
+    ckpt.load(path, reference, reference_opt)
+    want = fshard.optim_state_dict(reference, reference_opt, full=True)
+    spec = TransformerSpec(**{**C.SPEC.__dict__, "layers": layers})
+    model = C.build_sharded((world,), spec, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)  # hyperparameters come from the checkpoint
+    ckpt.load(path, model, opt, strict=False)
+    got = fshard.optim_state_dict(model, opt, full=True)
+    C.train(model, opt, range(1, 2), spec)
+    after = fshard.optim_state_dict(model, opt, full=True)
+    return want, got, after, [n for n, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("layers", [1, 3], ids=["layer_removed", "layer_added"])
+def test_non_strict_load_with_an_optimizer_takes_the_common_parameters(saved_2, layers):
+    """strict=False covers the optimizer too: the state of parameters both sides hold loads,
+    state of parameters the model lost is skipped, and new parameters start fresh."""
+    for want, got, after, names in get_pool(2).run(_non_strict_optim_task, str(saved_2), layers):
+        common = [n for n in names if n in want["state"]]
+        assert sorted(got["state"]) == sorted(common)
+        assert len(common) < len(want["state"]) if layers == 1 else len(common) < len(names)
+        for name in common:
+            C.assert_same_tensors(got["state"][name], want["state"][name], what=f"optimizer {name}")
+        assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"] == 0.05
+        for name in names:  # one more step: loaded counters go on, new ones start at 1
+            assert after["state"][name]["step"].item() == (2 if name in common else 1), name

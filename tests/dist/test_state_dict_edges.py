@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import fshard
 from fshard.testing import get_pool, mesh_for
+from tests.dist import _sd_common as C
 
 
 def _linear_pair(**kwargs) -> nn.Module:
@@ -75,8 +76,14 @@ def _optim_errors_task(case):
         osd["state"]["0.weight"]["exp_avg"] = torch.zeros(7, 6)
         osd["state"]["0.bias"]["exp_avg"] = torch.zeros(1)
         target = opt
-    else:  # another optimizer class
+    elif case == "other_optimizer":  # the recorded class differs
         target = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif case == "other_optimizer_unrecorded":  # no class recorded: the hyperparameters differ
+        del osd["optimizer_class"]
+        target = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:  # no class recorded, hyperparameters that fit: Adamax makes other state keys
+        del osd["optimizer_class"]
+        target = torch.optim.Adamax(model.parameters(), lr=0.1)
     before = copy.deepcopy(target.state_dict())
     with pytest.raises(ValueError) as info:
         fshard.load_optim_state_dict(model, target, osd)
@@ -88,7 +95,9 @@ def _optim_errors_task(case):
     "case, patterns",
     [
         ("wrong_shape", ["state['0.weight']['exp_avg']: shape mismatch", "state['0.bias']['exp_avg']"]),
-        ("other_optimizer", ["param_groups[0] has hyperparameters", "another kind of optimizer", "momentum"]),
+        ("other_optimizer", ["saved from a torch.optim.adam.Adam (its 'optimizer_class')", "this optimizer is a torch.optim.sgd.SGD", "Build the optimizer with the class"]),
+        ("other_optimizer_unrecorded", ["param_groups[0] has hyperparameters", "another kind of optimizer", "momentum"]),
+        ("state_keys_unrecorded", ["has keys ['exp_avg', 'exp_avg_sq', 'step'], but torch.optim.adamax.Adamax", "makes ['exp_avg', 'exp_inf', 'step']", "another kind of optimizer"]),
     ],
 )
 def test_load_optim_state_dict_errors_name_the_key(case, patterns):
@@ -149,3 +158,109 @@ def test_module_load_state_dict_size_mismatch_names_the_full_shape():
     for message in get_pool(2).run(_module_load_wrong_shape_task):
         assert "size mismatch for 0.weight" in message
         assert "torch.Size([6, 6])" in message and "this rank holds (3, 6)" in message
+
+
+# ------------------------------------------------- optimizer state of an unsharded run (positions)
+
+
+def _decay_groups(model: nn.Module, lr: float) -> list[dict]:
+    """Two param groups, as training scripts build them (weight decay on matrices only)."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1, "lr": lr},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": lr / 2},
+    ]
+
+
+def _plain_optim_task(mesh_shape):
+    """Every rank trains the same unsharded model a step, then a sharded copy takes over its
+    ``opt.state_dict()`` (keyed by position); both go on and must stay equal."""
+    plain = C.build()
+    plain_opt = torch.optim.AdamW(_decay_groups(plain, 0.05))
+    for step in range(2):
+        C.loss_of(plain, C.global_batch(step)).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    model = C.build_sharded(mesh_shape, seed=11)
+    opt = torch.optim.AdamW(_decay_groups(model, 1.0))
+    fshard.load_state_dict(model, plain.state_dict())
+    result = fshard.load_optim_state_dict(model, opt, plain_opt.state_dict())
+    assert result == fshard.LoadResult([], [])
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.025]
+    steps = range(2, 4)
+    for step in steps:
+        C.loss_of(plain, C.global_batch(step)).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    C.train(model, opt, steps)
+    C.assert_same_tensors(C.full_params(model), plain.state_dict(), exact=False, what="continued")
+    return True
+
+
+@pytest.mark.parametrize(("world", "mesh_shape"), [(2, (2,)), (4, (2, 2))])
+def test_load_optim_state_dict_takes_an_unsharded_runs_plain_state_dict(world, mesh_shape):
+    assert all(get_pool(world).run(_plain_optim_task, mesh_shape))
+
+
+def _plain_optim_errors_task(case):
+    plain = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)  # one group of 4 params
+    _train(plain, plain_opt)
+    osd = plain_opt.state_dict()
+    model = _linear_pair()
+    if case == "groups":
+        opt = torch.optim.Adam(_decay_groups(model, 0.1))
+    else:
+        opt = torch.optim.Adam(list(model.parameters())[:3], lr=0.1)
+    with pytest.raises(ValueError) as info:
+        fshard.load_optim_state_dict(model, opt, osd)
+    assert not opt.state
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "patterns"),
+    [
+        ("groups", ["numbers parameters by position (a plain opt.state_dict()) and has 1 param group(s), but the optimizer has 2"]),
+        ("sizes", ["param_groups[0] of the state dict holds 4 parameter position(s), but the optimizer's group holds 3"]),
+    ],
+)
+def test_a_plain_state_dict_must_fit_the_param_groups(case, patterns):
+    for message in get_pool(2).run(_plain_optim_errors_task, case):
+        for pattern in patterns + ["build the optimizer with the same param groups"]:
+            assert pattern in message, message
+
+
+# ------------------------------------------------------------- optimizer state, strict=False
+
+
+def _non_strict_optim_task():
+    torch.manual_seed(0)
+    mesh = mesh_for((dist.get_world_size(),))
+    source = fshard.fully_shard(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)), mesh=mesh)
+    source_opt = torch.optim.AdamW(source.parameters(), lr=0.05)
+    _train(source, source_opt)
+    osd = fshard.optim_state_dict(source, source_opt, full=True)
+    # The target lost the last layer and gained a head of its own.
+    target = fshard.fully_shard(
+        nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Identity(), nn.Linear(6, 3)), mesh=mesh
+    )
+    target_opt = torch.optim.AdamW(target.parameters(), lr=1.0)
+    with pytest.raises(ValueError) as info:
+        fshard.load_optim_state_dict(target, target_opt, osd)
+    _train(target, target_opt)
+    head = copy.deepcopy(target_opt.state[target[3].weight])
+    result = fshard.load_optim_state_dict(target, target_opt, osd, strict=False)
+    got = fshard.optim_state_dict(target, target_opt, full=True)
+    for name in ("0.weight", "0.bias", "1.weight", "1.bias"):
+        torch.testing.assert_close(got["state"][name], osd["state"][name], rtol=0, atol=0)
+    # Not in the state dict: the head keeps its own state.
+    torch.testing.assert_close(target_opt.state[target[3].weight], head, rtol=0, atol=0)
+    assert target_opt.param_groups[0]["lr"] == 0.05
+    return str(info.value), result
+
+
+def test_load_optim_state_dict_non_strict_loads_the_parameters_both_sides_hold():
+    for message, result in get_pool(2).run(_non_strict_optim_task):
+        assert "pass strict=False" in message, message
+        assert result == fshard.LoadResult(["3.weight", "3.bias"], ["2.bias", "2.weight"])

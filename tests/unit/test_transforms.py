@@ -315,6 +315,35 @@ def test_cast_and_to_cpu_touch_only_what_they_should(dtype):
         T.cast(tree, "float16")  # type: ignore[arg-type]
 
 
+def test_cast_leaves_optimizer_step_counters_alone():
+    """Adam's float32 ``step`` of 257 became 256 in bfloat16."""
+    osd = {
+        "state": {"w": {"step": torch.tensor(257.0), "exp_avg": torch.ones(2)}},
+        "param_groups": [{"params": ["w"], "lr": 0.1}],
+    }
+    out = T.cast(osd, torch.bfloat16)
+    assert out["state"]["w"]["step"] is osd["state"]["w"]["step"]
+    assert out["state"]["w"]["exp_avg"].dtype == torch.bfloat16
+    assert T.cast({"blocks.0.step": torch.ones(1)}, torch.float16)["blocks.0.step"].dtype == torch.float16
+    everything = T.cast(osd, torch.bfloat16, skip_keys=())
+    assert everything["state"]["w"]["step"].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"skip_keys must be a collection of keys, got the string 'step'"):
+        T.cast(osd, torch.bfloat16, skip_keys="step")
+
+
+def test_map_keys_keeps_the_optimizer_class_and_renames_param_names():
+    osd = {
+        "state": {"module.w": {"step": 1}},
+        "param_groups": [{"lr": 0.1, "params": ["module.w"], "param_names": ["module.w"]}],
+        "optimizer_class": "torch.optim.adamw.AdamW",
+    }
+    assert T.strip_prefix(osd) == {
+        "state": {"w": {"step": 1}},
+        "param_groups": [{"lr": 0.1, "params": ["w"], "param_names": ["w"]}],
+        "optimizer_class": "torch.optim.adamw.AdamW",
+    }
+
+
 def test_to_local_unwraps_only_dtensors():
     tree = {"w": torch.ones(2), "k": 3}
     out = T.to_local(tree)
