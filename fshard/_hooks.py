@@ -168,9 +168,12 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     rank, so this rank's rows of it are its sharded state, and they replace it.
     """
     wrong = []
+    gathered = []
     sharded = False
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
+            if hasattr(param, "_fshard_gathered_of"):
+                gathered.append(repr(param._fshard_gathered_of))
             slot = getattr(param, "_fshard_slot", None)
             sharded = sharded or slot is not None
             if slot is None or param not in optimizer.state:
@@ -192,6 +195,15 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
                     state[key] = rows.clone()
             else:
                 wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
+    if gathered:
+        shown = ", ".join(gathered[:3]) + (" ..." if len(gathered) > 3 else "")
+        raise ValueError(
+            f"the optimizer holds the gathered (full) copies of {shown}, which fshard puts in "
+            "the modules for a unit's forward and backward, not the sharded parameters: it was "
+            "built while the model was gathered (between a forward and its backward, or after "
+            "fshard.unshard), and would never update the shards. Build the optimizer before "
+            "the first forward or after a backward, or call fshard.reshard(model) first."
+        )
     if sharded and isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "torch.optim.LBFGS cannot step fshard's sharded parameters: its line search takes "
@@ -272,6 +284,32 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
     # See [Note: model.state_dict() on a sharded model] in _state_dict.
     module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
     module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
+    module.__dict__["zero_grad"] = _UnitHook(_zero_grad, group)  # shadows nn.Module.zero_grad
+
+
+def _zero_grad(group: ParamGroup, set_to_none: bool = True) -> None:
+    """``module.zero_grad()`` of a unit's module, which must also reach the shards' gradients.
+
+    ``module.parameters()`` yields a unit's gathered params while it holds them, as the root
+    and ``reshard_after_forward=False`` units do from forward to backward; ``zero_grad()``
+    there (``loss = model(x); model.zero_grad(); loss.backward()``) would leave last step's
+    sharded gradients to be added to this step's.
+    """
+    module = group.module
+    type(module).zero_grad(module, set_to_none)
+    for unit in units_under(module):
+        for slot in unit.slots:
+            grad = slot.sharded_param.grad
+            if grad is None:
+                continue
+            if set_to_none:
+                slot.sharded_param.grad = None
+            else:  # as nn.Module.zero_grad does
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
 
 
 def _state_dict_post(
@@ -298,11 +336,11 @@ def _load_state_dict_pre(
     on_module_load_state_dict(group, module, state_dict, prefix, local_metadata, error_msgs)
 
 
-def _call_hook(hook: _UnitHook, *args: Any) -> Any:
+def _call_hook(hook: _UnitHook, *args: Any, **kwargs: Any) -> Any:
     target = hook.ref()
     if target is None:
         return None
-    return hook.fn(target, *args)
+    return hook.fn(target, *args, **kwargs)
 
 
 class _UnitHook:
@@ -397,9 +435,7 @@ class RootState:
             if inference:
                 group.ran_since_backward = False
             elif group.sharded_state is ShardedState.UNSHARDED:
-                # Kept for backward; until then the modules show the shards (hide_unsharded).
-                group.hide_unsharded()
-                _KEPT_GATHERED.add(group)
+                _KEPT_GATHERED.add(group)  # kept for backward (see _free_stale_gathered)
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
@@ -637,13 +673,18 @@ def _pre_forward(
                 new_args[i] = tensor
             args = tuple(new_args)
     elif torch.is_grad_enabled():
-        # Any nesting, dataclasses included; a tensor passed twice is wrapped once.
-        needing = list({id(t): t for t in _tensors_in((args, kwargs)) if t.requires_grad}.values())
+        # Containers pytree rebuilds (a tensor passed twice is wrapped once). Not inside
+        # dataclasses: a unit may write into the caller's object, so it must get that object,
+        # not a copy holding the wrapped tensors (such a unit is freed when backward ends).
+        flat = pytree.tree_leaves((args, kwargs))
+        needing = list({id(t): t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad}.values())
         if needing:
             group.add_input_waiter()
             wrapped = _InputsGradReady.apply(group, *needing)
             by_id = {id(t): w for t, w in zip(needing, wrapped, strict=True)}
-            args, kwargs = _map_tensors(lambda t: by_id.get(id(t), t), (args, kwargs))
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: by_id.get(id(t), t), (args, kwargs)
+            )
     return args, kwargs
 
 
@@ -667,15 +708,13 @@ def _post_forward(
     if grad_enabled:
         hook = _UncompiledUnitHook(_pre_backward, group)
         leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
-        hooked = False
         for leaf in leaves:
             if leaf.requires_grad:
                 leaf.register_hook(hook)
-                hooked = True
-        if not hooked and group.may_need_params_in_backward():
-            # Nothing returned to hang the re-gather on (the result went into an attribute, or
-            # an object fshard cannot look into), yet autograd saved the gathered params: keep
-            # them until the unit's gradients are reduced (or the backward ends).
+        if not leaves and group.may_need_params_in_backward():
+            # No tensor returned to hang the re-gather on (the result went into an attribute,
+            # or an object fshard cannot look into), yet autograd may have saved the gathered
+            # params: keep them until the unit's gradients are reduced (or the backward ends).
             keep = True
     if not grad_enabled or not keep:
         group.reshard()

@@ -247,6 +247,7 @@ class FlatBucket:
         # `.data` gives the param its own version counter: [Note: storage reuse].
         slot.unsharded_buffer = buffer
         slot.unsharded_param = nn.Parameter(view.data, requires_grad=slot.requires_grad)
+        slot.unsharded_param._fshard_gathered_of = slot.fqn  # type: ignore[attr-defined]  # marker
 
     # ----------------------------------------------------------------------------- unsharding
 

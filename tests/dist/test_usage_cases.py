@@ -266,84 +266,94 @@ def test_dataclass_outputs_equal_ddp(mp):
 
 
 @dataclasses.dataclass
-class _Input:
+class _State:
     hidden: torch.Tensor
-    scale: float = 1.0
+    aux: torch.Tensor
 
 
-class _FrozenOnDataclass(nn.Module):
+class _WritesIntoState(nn.Module):
+    """Updates the caller's dataclass in place and returns nothing."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.lin = nn.Linear(4, 4)
 
-    def forward(self, inp: _Input) -> torch.Tensor:
-        return inp.scale * inp.hidden @ self.weight
+    def forward(self, state: _State) -> None:
+        state.hidden = torch.tanh(self.lin(state.hidden))
+        state.aux = state.aux + state.hidden.pow(2).mean()
 
 
-class _FrozenNet(nn.Module):
+class _StateNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.enc = nn.Linear(4, 4)
-        self.frozen = _FrozenOnDataclass()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(_WritesIntoState() for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.enc(x)
-        if fshard.is_sharded(self.frozen.weight):  # the fshard model, not the DDP reference
-            # Runs in backward once the frozen unit has passed the gradient on to ``h``.
-            h.register_hook(lambda g: self.alive_at_enc_backward.append(self.probe.alive()))
-        return self.frozen(_Input(hidden=h, scale=0.5))
+        state = _State(hidden=self.inp(x), aux=torch.zeros(()))
+        for block in self.blocks:
+            block(state)
+        return state.hidden.sum() + state.aux
 
 
-def _frozen_dataclass_worker():
-    from tests.dist.probes import GatherProbe
-
+def _state_worker():
     torch.manual_seed(0)
-    reference = _FrozenNet()
+    reference = _StateNet()
     model = copy.deepcopy(reference)
     ddp = DDP(reference)
     mesh = mesh_for((dist.get_world_size(),))
-    for m in (model.enc, model.frozen, model):
+    for m in (*model.blocks, model):
         fshard.fully_shard(m, mesh=mesh)
-    model.probe = GatherProbe(model)
-    model.alive_at_enc_backward = []
-    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x), steps=3)
     _assert_params_equal(model, reference)
-    # The frozen unit's weight is freed as soon as its input's gradient is passed on, not held
-    # to the end of backward.
-    assert model.alive_at_enc_backward and all(
-        "param frozen.weight" not in alive for alive in model.alive_at_enc_backward
-    ), model.alive_at_enc_backward
     return True
 
 
-def test_frozen_unit_with_a_dataclass_input_is_freed_when_its_input_grads_are_ready():
-    assert all(get_pool(2).run(_frozen_dataclass_worker))
+def test_units_writing_into_the_callers_dataclass_equal_ddp():
+    """A unit gets the caller's own dataclass (not a copy), so what it writes into it is seen;
+    returning nothing, it keeps its params for backward."""
+    assert all(get_pool(2).run(_state_worker))
 
 
 # ------------------------------------------------------- between a forward and its backward
 
 
+class _HeadOutside(nn.Module):
+    """Returns hidden states; the caller applies the root-owned head (a fused or chunked loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+
 def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str):
     torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = _HeadOutside()
     model = copy.deepcopy(reference)
     ddp = DDP(reference)
     mesh = mesh_for((dist.get_world_size(),))
-    fshard.fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fshard.fully_shard(model.body, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fshard.fully_shard(model, mesh=mesh)
     if case == "optimizer-after-forward":
         model(_batch(99, (3, 4))).sum()  # a forward with grad and no backward, then build
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            opt.step()
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
     optims = _sgd(ddp, model)
-    if case == "optimizer-after-forward":
-        # The optimizer must hold the shards, not the gathered copies the forward left.
-        assert all(fshard.is_sharded(p) for p in model.parameters())
     for step in range(3):
         x = _batch(step, (3, 4))
         for m, opt in zip((ddp, model), optims, strict=True):
-            loss = m(x).pow(2).mean()
+            head = model.head if m is model else reference.head
+            loss = F.linear(m(x), head.weight, head.bias).pow(2).mean()  # the head outside
             if case == "zero_grad":
                 m.zero_grad()  # after the forward, before the backward (last step's grads)
-                assert m is ddp or all(fshard.is_sharded(p) for p in model.parameters())
             loss.backward()
             if case == "eval-with-grad":
                 m(_batch(50 + step, (2, 4))).sum()  # evaluation outside torch.no_grad()
@@ -354,14 +364,20 @@ def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str)
     return True
 
 
-@pytest.mark.parametrize("case", ["zero_grad", "eval-with-grad", "optimizer-after-forward"])
+@pytest.mark.parametrize("case", ["head-outside", "zero_grad", "eval-with-grad"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
-def test_parameters_between_a_forward_and_its_backward_are_the_shards(reshard_after_forward, case):
-    """After a forward the model shows its shards (the gathered copies kept for backward are
-    hidden): model.zero_grad() then clears last step's sharded grads, an optimizer built then
-    holds the shards; and a step frees gathered copies a forward without backward left, so
-    the next forward does not compute with the old weights."""
+def test_between_a_forward_and_its_backward_equals_ddp(reshard_after_forward, case):
+    """From forward to backward the root (and ZeRO-2 units) hold their gathered params, so the
+    caller can apply a root-owned head to the returned hidden states (as FSDP2 allows);
+    model.zero_grad() there still clears last step's sharded grads, and a step frees what a
+    forward without backward left gathered, so the next forward uses the new weights."""
     assert all(get_pool(2).run(_between_forward_and_backward_worker, reshard_after_forward, case))
+
+
+def test_an_optimizer_built_on_gathered_params_is_an_error():
+    for message in get_pool(2).run(_between_forward_and_backward_worker, True, "optimizer-after-forward"):
+        assert "the optimizer holds the gathered (full) copies of 'head.weight', 'head.bias'" in message
+        assert "call fshard.reshard(model) first" in message
 
 
 # ------------------------------------------------------------------ optimizer in backward
