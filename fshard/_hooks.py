@@ -673,19 +673,36 @@ def _pre_forward(
                 new_args[i] = tensor
             args = tuple(new_args)
     elif torch.is_grad_enabled():
-        # Containers pytree rebuilds (a tensor passed twice is wrapped once). Not inside
-        # dataclasses: a unit may write into the caller's object, so it must get that object,
-        # not a copy holding the wrapped tensors (such a unit is freed when backward ends).
-        flat = pytree.tree_leaves((args, kwargs))
-        needing = list({id(t): t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad}.values())
+        # Arguments, keyword arguments and tuples in them, which a unit cannot change, so
+        # giving it new ones is invisible (a tensor passed twice is wrapped once). Not inside
+        # lists, dicts, dataclasses or other objects: a unit may write into the caller's
+        # container, so it must get that very object (such a unit, if frozen, is freed when
+        # backward ends instead).
+        needing: dict[int, torch.Tensor] = {}
+        _in_tuples(
+            (*args, *kwargs.values()),
+            lambda t: needing.setdefault(id(t), t) if t.requires_grad else t,
+        )
         if needing:
             group.add_input_waiter()
-            wrapped = _InputsGradReady.apply(group, *needing)
-            by_id = {id(t): w for t, w in zip(needing, wrapped, strict=True)}
-            args, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: by_id.get(id(t), t), (args, kwargs)
-            )
+            wrapped = _InputsGradReady.apply(group, *needing.values())
+            by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
+            args = _in_tuples(args, lambda t: by_id.get(id(t), t))
+            kwargs = {k: _in_tuples(v, lambda t: by_id.get(id(t), t)) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def _in_tuples(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` over ``x`` if it is a tensor, or over the tensors inside it if it is a (nested)
+    tuple; a tuple comes back new only if one of them changed. Other objects are left alone."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, tuple):
+        items = [_in_tuples(item, fn) for item in x]
+        if all(new is old for new, old in zip(items, x, strict=True)):
+            return x
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
 
 
 def _post_forward(

@@ -309,6 +309,51 @@ def _state_worker():
     return True
 
 
+class _AppendsToList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, collected: list[torch.Tensor], pair: tuple) -> torch.Tensor:
+        out = torch.tanh(self.lin(x)) * pair[0] + pair[1][0]
+        collected.append(out)  # into the caller's list
+        return out
+
+
+class _ListNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(_AppendsToList() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        collected: list[torch.Tensor] = []
+        for block in self.blocks:
+            # A tuple (rebuilt with the wrapped tensors) holding a tensor that requires grad.
+            h = block(h, collected, pair=(h.mean(), (h.std(),)))
+        assert len(collected) == 2
+        return sum(c.sum() for c in collected)
+
+
+def _list_worker():
+    torch.manual_seed(0)
+    reference = _ListNet()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for m in (*model.blocks, model):
+        fshard.fully_shard(m, mesh=mesh)
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x), steps=2)
+    _assert_params_equal(model, reference)
+    return True
+
+
+def test_units_appending_to_the_callers_list_equal_ddp():
+    """A unit gets the caller's own list (not a rebuilt copy): what it appends is seen."""
+    assert all(get_pool(2).run(_list_worker))
+
+
 def test_units_writing_into_the_callers_dataclass_equal_ddp():
     """A unit gets the caller's own dataclass (not a copy), so what it writes into it is seen;
     returning nothing, it keeps its params for backward."""
