@@ -236,6 +236,17 @@ class ParamGroup:
         """Re-pack if a sharded param's data was replaced since packing (e.g. ``model.to``)."""
         if all(b.is_packed() for b in self.buckets):
             return
+        for slot in self.slots:
+            shape = slot.sharded_param.shape
+            if shape != slot.layout.local_shape:
+                raise ValueError(
+                    f"parameter {slot.fqn!r} of fshard unit {self.label} was given data of shape "
+                    f"{list(shape)} after fully_shard, but its shard of the full "
+                    f"{list(slot.layout.full_shape)} parameter is {list(slot.layout.local_shape)} "
+                    "on this rank: something replaced it as if it held the full parameter "
+                    "(resize_token_embeddings, p.data = new_tensor). Change parameter shapes "
+                    "before fully_shard."
+                )
         logger.debug("fshard: re-packing unit %s after its parameters' data changed", self.label)
         self.set_slots(self.slots, [s.sharded_param.detach() for s in self.slots])
 

@@ -285,6 +285,11 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
     module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
     module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
     module.__dict__["zero_grad"] = _UnitHook(_zero_grad, group)  # shadows nn.Module.zero_grad
+    # What FSDP sets, and what other libraries look for: transformers' generate keeps every rank
+    # stepping until all are done (synced_gpus) for such modules, and dynamo reads parameters
+    # as they are when called (fshard swaps them), requiring use_orig_params for FSDP1.
+    module.__dict__["_is_fsdp_managed_module"] = True
+    module.__dict__["_fsdp_use_orig_params"] = True
 
 
 def _zero_grad(group: ParamGroup, set_to_none: bool = True) -> None:

@@ -414,3 +414,22 @@ def test_the_order_is_checked_on_the_first_step_and_every_step_with_fshard_debug
 def test_controls_on_a_module_without_units_say_what_to_do(call):
     with pytest.raises(ValueError, match=r"has no fshard units; call fshard.fully_shard"):
         call(_mlp())
+
+
+def _data_replaced_by_a_full_tensor():
+    model = _mlp()
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(2, 5)).sum().backward()
+    with torch.no_grad():  # as resize_token_embeddings does: new full-size data for the param
+        model[0].weight.data = torch.zeros(9, 5)
+    model(torch.randn(2, 5))
+
+
+def test_param_data_replaced_after_sharding_names_the_param():
+    _all_ranks_raise(
+        2,
+        _data_replaced_by_a_full_tensor,
+        match=lambda m: "parameter '0.weight' of fshard unit <root> was given data of shape [9, 5]" in m
+        and "its shard of the full [7, 5] parameter is [" in m
+        and "resize_token_embeddings" in m,
+    )

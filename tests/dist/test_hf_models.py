@@ -1,0 +1,63 @@
+"""transformers models on fshard: HF's own FSDP-aware code paths see a sharded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard.testing import RankPool, mesh_for
+
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers: pip install -e '.[hf]' (make test installs it)"
+)
+
+
+def _is_fsdp_managed(module: torch.nn.Module) -> bool:
+    try:
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+    except ImportError:  # older transformers
+        from transformers.integrations.fsdp import is_fsdp_managed_module
+    return bool(is_fsdp_managed_module(module))
+
+
+class _StopAfter(transformers.StoppingCriteria):
+    """Stops this rank's generation after ``new`` tokens (ranks finish at different steps)."""
+
+    def __init__(self, prompt_len: int, new: int) -> None:
+        self.stop_at = prompt_len + new
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.stop_at, dtype=torch.bool)
+
+
+def _generate_then_train_worker():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    fshard.auto_shard(model, policy=fshard.by_class(GPT2Block), mesh=mesh_for((2,)))
+    managed = _is_fsdp_managed(model)
+    prompt = torch.tensor([[1, 2, 3]])
+    criteria = transformers.StoppingCriteriaList([_StopAfter(3, 1 + 2 * dist.get_rank())])
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, stopping_criteria=criteria, pad_token_id=0)
+    # Training goes on with every rank's collectives paired.
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(ids, labels=ids).loss.backward()
+    return managed, out.shape[1]
+
+
+def test_generate_with_ranks_finishing_at_different_steps():
+    """HF's generate keeps every rank stepping until all are done (synced_gpus) for models it
+    sees as FSDP-managed; without that, a rank that stops early leaves the others' all-gathers
+    unpaired."""
+    pool = RankPool(2, timeout=120, pg_timeout=20)
+    try:
+        results = pool.run(_generate_then_train_worker)
+    finally:
+        pool.close()
+    assert [managed for managed, _ in results] == [True, True]
+    assert [length for _, length in results] == [3 + 1, 3 + 3]
