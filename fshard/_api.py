@@ -70,8 +70,9 @@ def fully_shard(
     (and all-reduced across the replicate dimension of a 2D mesh) and averaged like DDP. The root
     unit (the outermost one) keeps its parameters from forward to backward, which needs them
     first, instead of freeing and re-gathering them; a forward without grad frees every unit.
-    ``optimizer.step()`` frees what a forward without a backward left gathered, and
-    ``module.zero_grad()`` also clears the shards' gradients while the unit is gathered.
+    Outside a forward or backward the modules always hold the shards (what is kept for
+    backward is held aside), and ``optimizer.step()`` frees what a forward without a backward
+    left gathered.
 
     Args:
         module: the module to shard; it must not already be a unit.

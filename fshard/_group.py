@@ -141,6 +141,9 @@ class ParamGroup:
         self.slots: list[ParamSlot] = []
         self.buckets: list[FlatBucket] = []
         self.sharded_state = ShardedState.SHARDED
+        # Whether the modules hold the gathered params (they hold the shards again once the
+        # model's forward is over, though the gathered storage may be kept for backward).
+        self.unsharded_registered = False
         self.training_state = TrainingState.IDLE
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
@@ -277,6 +280,8 @@ class ParamGroup:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
         if self.sharded_state is ShardedState.UNSHARDING and not async_op:
             self.wait_for_unshard()  # prefetched: just wait for it
+        if self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered:
+            self._register_unsharded()  # kept gathered since the model's forward
         if self.sharded_state is not ShardedState.SHARDED:
             return
         self.ensure_packed()
@@ -311,6 +316,8 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gathers and register the full params."""
         if self.sharded_state is ShardedState.UNSHARDED:
+            if not self.unsharded_registered:
+                self._register_unsharded()
             return
         if self.sharded_state is not ShardedState.UNSHARDING:
             raise internal_error(f"wait_for_unshard on unit {self.label} that is sharded")
@@ -338,6 +345,7 @@ class ParamGroup:
             self._ensure_grad_hook(slot)
             slot.use_unsharded()
         self._num_grad_params = num_grad_params
+        self.unsharded_registered = True
 
     def write_back(self, *, check_only: bool = False) -> None:
         """Copy this rank's rows of each gathered parameter into its shard (``reshard``'s
@@ -369,6 +377,15 @@ class ParamGroup:
                 with torch.no_grad():
                     shard.copy_(rows.reshape(layout.local_shape))
 
+    def hide_unsharded(self) -> None:
+        """Put the shards back in the modules but keep the gathered storage (which autograd
+        saved for backward): outside a forward or backward, ``model.parameters()``, hence
+        ``model.zero_grad()``, in-place edits and optimizers built then, see the shards."""
+        if self.sharded_state is ShardedState.UNSHARDED and self.unsharded_registered:
+            for slot in self.slots:
+                slot.use_sharded()
+            self.unsharded_registered = False
+
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: swap the shards back in and free the gathered storage."""
         if self.sharded_state is ShardedState.UNSHARDING:
@@ -380,6 +397,7 @@ class ParamGroup:
                 slot.use_sharded()
             for bucket in self.buckets:
                 bucket.free_unsharded()
+        self.unsharded_registered = False
         self.sharded_state = ShardedState.SHARDED
 
     # -------------------------------------------------------------------------------- backward

@@ -200,9 +200,9 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
         raise ValueError(
             f"the optimizer holds the gathered (full) copies of {shown}, which fshard puts in "
             "the modules for a unit's forward and backward, not the sharded parameters: it was "
-            "built while the model was gathered (between a forward and its backward, or after "
-            "fshard.unshard), and would never update the shards. Build the optimizer before "
-            "the first forward or after a backward, or call fshard.reshard(model) first."
+            "built while the model was gathered (after fshard.unshard, or inside a forward), "
+            "and would never update the shards. Build it over model.parameters() outside "
+            "forward and backward, or call fshard.reshard(model) first."
         )
     if sharded and isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
@@ -284,37 +284,11 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
     # See [Note: model.state_dict() on a sharded model] in _state_dict.
     module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
     module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
-    module.__dict__["zero_grad"] = _UnitHook(_zero_grad, group)  # shadows nn.Module.zero_grad
     # What FSDP sets, and what other libraries look for: transformers' generate keeps every rank
     # stepping until all are done (synced_gpus) for such modules, and dynamo reads parameters
     # as they are when called (fshard swaps them), requiring use_orig_params for FSDP1.
     module.__dict__["_is_fsdp_managed_module"] = True
     module.__dict__["_fsdp_use_orig_params"] = True
-
-
-def _zero_grad(group: ParamGroup, set_to_none: bool = True) -> None:
-    """``module.zero_grad()`` of a unit's module, which must also reach the shards' gradients.
-
-    ``module.parameters()`` yields a unit's gathered params while it holds them, as the root
-    and ``reshard_after_forward=False`` units do from forward to backward; ``zero_grad()``
-    there (``loss = model(x); model.zero_grad(); loss.backward()``) would leave last step's
-    sharded gradients to be added to this step's.
-    """
-    module = group.module
-    type(module).zero_grad(module, set_to_none)
-    for unit in units_under(module):
-        for slot in unit.slots:
-            grad = slot.sharded_param.grad
-            if grad is None:
-                continue
-            if set_to_none:
-                slot.sharded_param.grad = None
-            else:  # as nn.Module.zero_grad does
-                if grad.grad_fn is not None:
-                    grad.detach_()
-                else:
-                    grad.requires_grad_(False)
-                grad.zero_()
 
 
 def _state_dict_post(
@@ -418,6 +392,17 @@ class RootState:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
         self.finish_reduces()
+        if _KEPT_GATHERED:
+            # Units a previous forward kept for a backward that has not run: their shards may
+            # have changed since (in-place edits, a fused optimizer that bumps no version), so
+            # this forward gathers afresh. That backward, if it comes, gathers them again
+            # into the storage it saved. Same on every rank: it depends on the forwards and
+            # backwards run, not on what changed.
+            for group in self.groups:
+                if group in _KEPT_GATHERED:
+                    _KEPT_GATHERED.discard(group)
+                    if not group.unsharded_registered and group.training_state is TrainingState.IDLE:
+                        group.reshard()
         if torch.is_grad_enabled():
             self._grad_forward_pending = True
         if not self._recorded and torch.is_grad_enabled():
@@ -440,7 +425,9 @@ class RootState:
             if inference:
                 group.ran_since_backward = False
             elif group.sharded_state is ShardedState.UNSHARDED:
-                _KEPT_GATHERED.add(group)  # kept for backward (see _free_stale_gathered)
+                # Kept for backward; until then the modules show the shards (hide_unsharded).
+                group.hide_unsharded()
+                _KEPT_GATHERED.add(group)
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
@@ -743,6 +730,11 @@ def _post_forward(
     group.training_state = TrainingState.IDLE
     if root.root is group:
         root.on_root_post_forward()
+    elif grad_enabled and keep and root.root.training_state is not TrainingState.FORWARD:
+        # A unit called on its own, outside the model's forward: nothing later hides its kept
+        # params, so this does, as the root's post-forward does for the model's units.
+        group.hide_unsharded()
+        _KEPT_GATHERED.add(group)
     return output
 
 

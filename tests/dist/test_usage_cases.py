@@ -364,15 +364,16 @@ def test_units_writing_into_the_callers_dataclass_equal_ddp():
 
 
 class _HeadOutside(nn.Module):
-    """Returns hidden states; the caller applies the root-owned head (a fused or chunked loss)."""
+    """Returns hidden states; the caller applies the head (a unit of its own) to them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(4, 8)
+        self.mid = nn.Linear(8, 8)
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.body(x))
+        return torch.tanh(self.mid(torch.tanh(self.body(x))))
 
 
 def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str):
@@ -381,47 +382,70 @@ def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str)
     model = copy.deepcopy(reference)
     ddp = DDP(reference)
     mesh = mesh_for((dist.get_world_size(),))
-    fshard.fully_shard(model.body, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for unit in (model.body, model.head):
+        fshard.fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fshard.fully_shard(model, mesh=mesh)
-    if case == "optimizer-after-forward":
-        model(_batch(99, (3, 4))).sum()  # a forward with grad and no backward, then build
+    if case == "optimizer-on-gathered":
+        fshard.unshard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         try:
             opt.step()
         except ValueError as exc:
             return str(exc)
         return "no error"
-    optims = _sgd(ddp, model)
+    if case == "optimizer-after-forward":
+        for m in (ddp, model):
+            m(_batch(99, (3, 4))).sum()  # a forward with grad and no backward, then build
+    optims = [torch.optim.SGD(m.mid.parameters(), lr=0.1) for m in (reference, model)]
+    heads = [reference.head, model.head]
     for step in range(3):
         x = _batch(step, (3, 4))
-        for m, opt in zip((ddp, model), optims, strict=True):
-            head = model.head if m is model else reference.head
-            loss = F.linear(m(x), head.weight, head.bias).pow(2).mean()  # the head outside
+        for m, opt, head in zip((ddp, model), optims, heads, strict=True):
+            loss = head(m(x)).pow(2).mean()  # the head called after the model's forward
             if case == "zero_grad":
                 m.zero_grad()  # after the forward, before the backward (last step's grads)
+                head.zero_grad()
+            if case == "submodule-zero_grad":
+                (m.module if m is ddp else m).mid.zero_grad()  # a part of the root unit
+            if case == "add_param_group" and step == 0:
+                opt.add_param_group({"params": list(m.module.body.parameters() if m is ddp else m.body.parameters())})
+                opt.add_param_group({"params": list(head.parameters())})
             loss.backward()
             if case == "eval-with-grad":
                 m(_batch(50 + step, (2, 4))).sum()  # evaluation outside torch.no_grad()
+            if case == "edit-after-eval":
+                m(_batch(50 + step, (2, 4))).sum()
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.mul_(0.5)
             opt.step()
-            if case != "zero_grad":
+            if case not in ("zero_grad", "submodule-zero_grad"):
+                opt.zero_grad()
+            if case == "submodule-zero_grad":
                 opt.zero_grad()
     _assert_params_equal(model, reference)
     return True
 
 
-@pytest.mark.parametrize("case", ["head-outside", "zero_grad", "eval-with-grad"])
+@pytest.mark.parametrize(
+    "case",
+    ["zero_grad", "submodule-zero_grad", "add_param_group", "eval-with-grad", "edit-after-eval",
+     "optimizer-after-forward"],
+)  # fmt: skip
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
 def test_between_a_forward_and_its_backward_equals_ddp(reshard_after_forward, case):
-    """From forward to backward the root (and ZeRO-2 units) hold their gathered params, so the
-    caller can apply a root-owned head to the returned hidden states (as FSDP2 allows);
-    model.zero_grad() there still clears last step's sharded grads, and a step frees what a
-    forward without backward left gathered, so the next forward uses the new weights."""
+    """Once the model's forward returns, its modules show the shards again, though the root
+    (and ZeRO-2 units) keep their gathered copies aside for backward: model.zero_grad() (of
+    any submodule) clears the shards' grads, an optimizer built or extended then holds the
+    shards, in-place edits reach them; and a step frees what a forward without backward left
+    gathered, so the next forward uses the new weights. A head applied outside the forward is
+    called as a unit of its own."""
     assert all(get_pool(2).run(_between_forward_and_backward_worker, reshard_after_forward, case))
 
 
 def test_an_optimizer_built_on_gathered_params_is_an_error():
-    for message in get_pool(2).run(_between_forward_and_backward_worker, True, "optimizer-after-forward"):
-        assert "the optimizer holds the gathered (full) copies of 'head.weight', 'head.bias'" in message
+    for message in get_pool(2).run(_between_forward_and_backward_worker, True, "optimizer-on-gathered"):
+        assert "the optimizer holds the gathered (full) copies of 'body.weight', 'body.bias'" in message
         assert "call fshard.reshard(model) first" in message
 
 
