@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 import math
 import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,26 @@ def _sgd(*models: nn.Module) -> list[torch.optim.Optimizer]:
 
 def _square_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x).pow(2).mean()
+
+
+def _beside_ddp(
+    build: Callable[[], nn.Module],
+    units: Callable[[nn.Module], Iterable[nn.Module]],
+    *,
+    mesh_shape: tuple[int, ...] | None = None,
+    ddp_kwargs: dict[str, Any] | None = None,
+    **unit_kwargs: Any,
+) -> tuple[DDP, nn.Module, nn.Module]:
+    """``(ddp, model, reference)``: the model built with seed 0 under DDP, and a copy sharded
+    with ``units(model)`` first (bottom-up, each with ``unit_kwargs``), then the root."""
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    mesh = mesh_for(mesh_shape or (dist.get_world_size(),))
+    for unit in units(model):
+        fshard.fully_shard(unit, mesh=mesh, **unit_kwargs)
+    fshard.fully_shard(model, mesh=mesh)
+    return DDP(reference, **(ddp_kwargs or {})), model, reference
 
 
 def _train_side_by_side(
@@ -86,13 +107,9 @@ class _RoutedNet(nn.Module):
 
 
 def _routed_worker(mesh_shape):
-    torch.manual_seed(0)
-    reference = _RoutedNet()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference, find_unused_parameters=True)
-    mesh = mesh_for(mesh_shape)
-    fshard.fully_shard(model.moe, mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(
+        _RoutedNet, lambda m: [m.moe], mesh_shape=mesh_shape, ddp_kwargs={"find_unused_parameters": True}
+    )
     # AdamW with weight decay tells a zero gradient from none: a param with a gradient moves.
     optims = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (ddp, model)]
 
@@ -140,13 +157,7 @@ class _SideNet(nn.Module):
 
 
 def _side_input_worker():
-    torch.manual_seed(0)
-    reference = _SideNet()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    for m in (model.enc, model.block, model):
-        fshard.fully_shard(m, mesh=mesh)
+    ddp, model, reference = _beside_ddp(_SideNet, lambda m: [m.enc, m.block])
     # The batch needs no grad: only the side tensor needs the frozen weight.
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
     _assert_params_equal(model, reference)
@@ -192,13 +203,7 @@ class _HiddenOutputNet(nn.Module):
 
 
 def _hidden_output_worker(how: str):
-    torch.manual_seed(0)
-    reference = _HiddenOutputNet(how)
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    fshard.fully_shard(model.block, mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(lambda: _HiddenOutputNet(how), lambda m: [m.block])
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), steps=3)
     _assert_params_equal(model, reference)
     return True
@@ -242,15 +247,9 @@ class _DataclassNet(nn.Module):
 
 
 def _dataclass_worker(mp: bool):
-    torch.manual_seed(0)
-    reference = _DataclassNet()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
     # output_dtype=float64 exercises the cast through the dataclass (then compared in fp32).
     policy = fshard.MixedPrecision(output_dtype=torch.float64) if mp else None
-    fshard.fully_shard(model.block, mesh=mesh, mp_policy=policy)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(_DataclassNet, lambda m: [m.block], mp_policy=policy)
     seen = []
     model.block.register_forward_hook(lambda m, a, out: seen.append((out.hidden.dtype, out.aux.dtype)))
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x).float())
@@ -297,13 +296,7 @@ class _StateNet(nn.Module):
 
 
 def _state_worker():
-    torch.manual_seed(0)
-    reference = _StateNet()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    for m in (*model.blocks, model):
-        fshard.fully_shard(m, mesh=mesh)
+    ddp, model, reference = _beside_ddp(_StateNet, lambda m: m.blocks)
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x), steps=3)
     _assert_params_equal(model, reference)
     return True
@@ -337,13 +330,7 @@ class _ListNet(nn.Module):
 
 
 def _list_worker():
-    torch.manual_seed(0)
-    reference = _ListNet()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    for m in (*model.blocks, model):
-        fshard.fully_shard(m, mesh=mesh)
+    ddp, model, reference = _beside_ddp(_ListNet, lambda m: m.blocks)
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), loss=lambda m, x: m(x), steps=2)
     _assert_params_equal(model, reference)
     return True
@@ -377,14 +364,9 @@ class _HeadOutside(nn.Module):
 
 
 def _between_forward_and_backward_worker(reshard_after_forward: bool, case: str):
-    torch.manual_seed(0)
-    reference = _HeadOutside()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    for unit in (model.body, model.head):
-        fshard.fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(
+        _HeadOutside, lambda m: [m.body, m.head], reshard_after_forward=reshard_after_forward
+    )
     if case == "optimizer-on-gathered":
         fshard.unshard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -453,13 +435,11 @@ def test_an_optimizer_built_on_gathered_params_is_an_error():
 
 
 def _optimizer_in_backward_worker(mesh_shape):
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for(mesh_shape)
-    fshard.fully_shard(model[0], mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
+        lambda m: [m[0]],
+        mesh_shape=mesh_shape,
+    )
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
     # One optimizer per (sharded) parameter, stepped as soon as its reduced gradient lands.
     per_param = {p: torch.optim.AdamW([p], lr=0.01) for p in model.parameters()}
@@ -539,13 +519,9 @@ def test_parent_using_a_sharded_child_param_warns():
 def _penalty_worker():
     """A penalty over model.parameters() in the loss uses each shard elementwise: the
     gradients are DDP's (the penalty's value is this rank's part)."""
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    fshard.fully_shard(model[0], mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)), lambda m: [m[0]]
+    )
 
     def penalised(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _square_loss(m, x) + 0.1 * sum(p.pow(2).sum() for p in m.parameters())
@@ -725,7 +701,7 @@ def _torch_grad_scaler_worker():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(model(torch.randn(2, 4)).sum()).backward()
-    with pytest.raises(TypeError, match="Use fshard.ShardedGradScaler"):
+    with pytest.raises(TypeError, match=r"Use fshard\.ShardedGradScaler"):
         scaler.step(opt)
     return True
 
@@ -783,13 +759,7 @@ class _FirstHalf(nn.Module):
 
 
 def _unused_output_worker():
-    torch.manual_seed(0)
-    reference = _FirstHalf()
-    model = copy.deepcopy(reference)
-    ddp = DDP(reference)
-    mesh = mesh_for((dist.get_world_size(),))
-    fshard.fully_shard(model.halves, mesh=mesh)
-    fshard.fully_shard(model, mesh=mesh)
+    ddp, model, reference = _beside_ddp(_FirstHalf, lambda m: [m.halves])
     _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4))
     _assert_params_equal(model, reference)
     return True
