@@ -71,8 +71,8 @@ def fully_shard(
     unit (the outermost one) keeps its parameters from forward to backward, which needs them
     first, instead of freeing and re-gathering them; a forward without grad frees every unit.
     Outside a forward or backward the modules always hold the shards (what is kept for
-    backward is held aside), and ``optimizer.step()`` frees what a forward without a backward
-    left gathered.
+    backward is held aside), and the next forward frees and gathers afresh what a forward
+    without a backward kept.
 
     Args:
         module: the module to shard; it must not already be a unit.

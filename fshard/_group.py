@@ -278,10 +278,10 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
-        if self.sharded_state is ShardedState.UNSHARDING and not async_op:
-            self.wait_for_unshard()  # prefetched: just wait for it
-        if self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered:
-            self._register_unsharded()  # kept gathered since the model's forward
+        if self.sharded_state is ShardedState.UNSHARDED or (
+            self.sharded_state is ShardedState.UNSHARDING and not async_op
+        ):
+            self.wait_for_unshard()  # prefetched: wait for it; kept but hidden: show it again
         if self.sharded_state is not ShardedState.SHARDED:
             return
         self.ensure_packed()
@@ -376,6 +376,10 @@ class ParamGroup:
             if rows.data_ptr() != shard.data_ptr():  # NO_SHARD / one rank: already the shard
                 with torch.no_grad():
                     shard.copy_(rows.reshape(layout.local_shape))
+
+    def is_hidden(self) -> bool:
+        """Gathered, but the modules hold the shards (see ``hide_unsharded``)."""
+        return self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered
 
     def hide_unsharded(self) -> None:
         """Put the shards back in the modules but keep the gathered storage (which autograd

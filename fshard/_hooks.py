@@ -91,8 +91,6 @@ def in_backward() -> bool:
 # Units whose last backward ran without gradient sync and kept its full gradients unreduced.
 _UNSYNCED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 _STEP_HOOK: list[Any] = []  # the process-wide optimizer pre-step hook, once registered
-# Units a forward left gathered for a backward (the root, reshard_after_forward=False units).
-_KEPT_GATHERED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 _CHECKED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -114,29 +112,6 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             "fshard.ShardedGradScaler (same arguments), which agrees across ranks."
         )
     _check_step_sees_reduced_grads(optimizer, *args)
-    _free_stale_gathered(optimizer)
-
-
-def _free_stale_gathered(optimizer: torch.optim.Optimizer) -> None:
-    """Free units a forward left gathered whose shards this step is about to change.
-
-    After a forward with grad and no backward (evaluation outside ``torch.no_grad()``), the
-    root (and ``reshard_after_forward=False`` units) stay gathered for a backward that never
-    comes; the next forward would reuse that copy, as it was before this step. Freeing is
-    local and every rank steps, so the next gather is issued on every rank. One truth test per
-    step in the usual loop (a backward frees them).
-    """
-    if not _KEPT_GATHERED or in_backward():  # optimizer-in-backward: freed as backward ends
-        return
-    stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
-    for group in list(_KEPT_GATHERED):
-        if group.sharded_state is ShardedState.SHARDED:
-            _KEPT_GATHERED.discard(group)
-        elif group.training_state is TrainingState.IDLE and any(
-            id(s.sharded_param) in stepped for s in group.slots
-        ):
-            group.reshard()
-            _KEPT_GATHERED.discard(group)
 
 
 _SCALER_STEP = torch.amp.GradScaler._maybe_opt_step.__code__
@@ -196,9 +171,8 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             else:
                 wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
     if gathered:
-        shown = ", ".join(gathered[:3]) + (" ..." if len(gathered) > 3 else "")
         raise ValueError(
-            f"the optimizer holds the gathered (full) copies of {shown}, which fshard puts in "
+            f"the optimizer holds the gathered (full) copies of {_first_few(gathered)}, which fshard puts in "
             "the modules for a unit's forward and backward, not the sharded parameters: it was "
             "built while the model was gathered (after fshard.unshard, or inside a forward), "
             "and would never update the shards. Build it over model.parameters() outside "
@@ -212,14 +186,18 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "...), or run LBFGS on an unsharded model."
         )
     if wrong:
-        shown = ", ".join(wrong[:3]) + (" ..." if len(wrong) > 3 else "")
         raise ValueError(
-            f"optimizer state of sharded parameter(s) {shown} has the full parameter's shape: "
+            f"optimizer state of sharded parameter(s) {_first_few(wrong)} has the full parameter's shape: "
             "the optimizer was stepped before fully_shard. Build the optimizer after sharding "
             "(or before, but step it only after), or move its state with "
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
     return sharded
+
+
+def _first_few(names: list[str]) -> str:
+    """The first three of ``names`` for an error message, then "..." if there are more."""
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _never_stepped(state: dict[str, Any]) -> bool:
@@ -260,7 +238,7 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
     stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
     missed = [g for g in pending if any(id(s.sharded_param) in stepped for s in g.slots)]
     if missed:
-        names = ", ".join(g.label for g in missed[:3]) + (" ..." if len(missed) > 3 else "")
+        names = _first_few([g.label for g in missed])
         warnings.warn(
             f"optimizer.step() runs while fshard unit(s) {names} hold gradients accumulated "
             "without sync (no_sync / set_requires_gradient_sync(False)) that were never reduced: "
@@ -315,11 +293,11 @@ def _load_state_dict_pre(
     on_module_load_state_dict(group, module, state_dict, prefix, local_metadata, error_msgs)
 
 
-def _call_hook(hook: _UnitHook, *args: Any, **kwargs: Any) -> Any:
+def _call_hook(hook: _UnitHook, *args: Any) -> Any:
     target = hook.ref()
     if target is None:
         return None
-    return hook.fn(target, *args, **kwargs)
+    return hook.fn(target, *args)
 
 
 class _UnitHook:
@@ -381,6 +359,7 @@ class RootState:
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
         self._grad_forward_pending = False
         self.warned_sharded_use = False  # see _used_while_sharded in _group
+        self.hidden_kept = False  # some unit is kept gathered but hidden (see on_root_pre_forward)
         self._process_groups = _process_groups_of(groups)
         for process_group in self._process_groups:
             _collectives.start_recording(process_group)
@@ -392,17 +371,16 @@ class RootState:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
         self.finish_reduces()
-        if _KEPT_GATHERED:
-            # Units a previous forward kept for a backward that has not run: their shards may
-            # have changed since (in-place edits, a fused optimizer that bumps no version), so
-            # this forward gathers afresh. That backward, if it comes, gathers them again
-            # into the storage it saved. Same on every rank: it depends on the forwards and
-            # backwards run, not on what changed.
+        if self.hidden_kept:
+            # Units a previous forward kept (hidden) for a backward that has not run, e.g. an
+            # evaluation outside torch.no_grad(): their shards may have changed since (an
+            # optimizer step, in-place edits), so this forward gathers afresh. That backward, if
+            # it comes, gathers them again into the storage it saved. The same on every rank:
+            # it depends on the forwards and backwards run, not on what changed.
+            self.hidden_kept = False
             for group in self.groups:
-                if group in _KEPT_GATHERED:
-                    _KEPT_GATHERED.discard(group)
-                    if not group.unsharded_registered and group.training_state is TrainingState.IDLE:
-                        group.reshard()
+                if group.is_hidden() and group.training_state is TrainingState.IDLE:
+                    group.reshard()
         if torch.is_grad_enabled():
             self._grad_forward_pending = True
         if not self._recorded and torch.is_grad_enabled():
@@ -427,7 +405,7 @@ class RootState:
             elif group.sharded_state is ShardedState.UNSHARDED:
                 # Kept for backward; until then the modules show the shards (hide_unsharded).
                 group.hide_unsharded()
-                _KEPT_GATHERED.add(group)
+                self.hidden_kept = True
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
@@ -514,6 +492,7 @@ class RootState:
                         _UNSYNCED.add(group)
                 group.end_backward()
             self._grad_forward_pending = False
+            self.hidden_kept = False  # every unit was freed
             if self._checking:
                 self.check_collective_order("backward")
 
@@ -538,6 +517,7 @@ class RootState:
         for group in self.groups:
             group.drop_unsharded_grads()
             group.end_backward()
+        self.hidden_kept = False
 
     # Order checks -----------------------------------------------------------------------------
 
@@ -734,7 +714,7 @@ def _post_forward(
         # A unit called on its own, outside the model's forward: nothing later hides its kept
         # params, so this does, as the root's post-forward does for the model's units.
         group.hide_unsharded()
-        _KEPT_GATHERED.add(group)
+        root.hidden_kept = True
     return output
 
 

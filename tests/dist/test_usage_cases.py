@@ -419,9 +419,9 @@ def test_between_a_forward_and_its_backward_equals_ddp(reshard_after_forward, ca
     """Once the model's forward returns, its modules show the shards again, though the root
     (and ZeRO-2 units) keep their gathered copies aside for backward: model.zero_grad() (of
     any submodule) clears the shards' grads, an optimizer built or extended then holds the
-    shards, in-place edits reach them; and a step frees what a forward without backward left
-    gathered, so the next forward uses the new weights. A head applied outside the forward is
-    called as a unit of its own."""
+    shards, in-place edits reach them; and the next forward gathers afresh what a forward
+    without backward kept, so it uses the stepped or edited weights. A head applied outside
+    the forward is called as a unit of its own."""
     assert all(get_pool(2).run(_between_forward_and_backward_worker, reshard_after_forward, case))
 
 
