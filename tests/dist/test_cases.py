@@ -435,6 +435,8 @@ def _writeback_worker(strategy, mp):
         for m in (model, reference):
             m[0].weight.mul_(-2.0)  # the same edit on every rank
             m[1].bias.fill_(0.25)
+    with pytest.raises(TypeError, match="fshard.reshard: writeback must be a bool, got 1"):
+        fshard.reshard(model, writeback=1)  # nothing freed: the edits are still there below
     try:
         fshard.reshard(model, writeback=True)
     except ValueError as exc:
