@@ -17,6 +17,7 @@ __all__ = [
     "collective_error",
     "ProblemList",
     "internal_error",
+    "first_few",
     "rank_prefix",
 ]
 
@@ -124,3 +125,13 @@ class ProblemList:
         if hint:
             message += f"\n{hint}"
         raise error_type(message)
+
+
+def first_few(names: list[str]) -> str:
+    """The first three of ``names`` for an error message, then "..." if there are more.
+
+    Example:
+        >>> first_few(["'a'", "'b'", "'c'", "'d'"])
+        "'a', 'b', 'c' ..."
+    """
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")

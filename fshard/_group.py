@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fshard import _collectives
-from fshard._errors import internal_error
+from fshard._errors import first_few, internal_error
 from fshard._options import BackwardPrefetch
 from fshard._param import GATHERED, FlatBucket, ParamSlot, chunk_cat
 from fshard._placement import divide_factors
@@ -158,6 +158,9 @@ class ParamGroup:
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         self.forward_prefetch_default = True
         self.backward_prefetch_default = BackwardPrefetch.BACKWARD_PRE
+        # The shards' version counters when the latest forward with grad read them: a backward
+        # of that forward (or of an older, retained graph) checks them.
+        self._forward_versions: tuple[int, ...] | None = None
         self.reset_backward()
         self.set_slots(slots, locals_)
 
@@ -376,6 +379,32 @@ class ParamGroup:
             if rows.data_ptr() != shard.data_ptr():  # NO_SHARD / one rank: already the shard
                 with torch.no_grad():
                     shard.copy_(rows.reshape(layout.local_shape))
+
+    def note_forward_versions(self) -> None:
+        """Remember the shards' version counters as a forward with grad reads them."""
+        self._forward_versions = tuple(s.sharded_param._version for s in self.slots)
+
+    def check_unchanged_since_forward(self) -> None:
+        """Raise if a shard was modified in place since the forward whose backward is starting:
+        that backward would mix the values gathered then (kept, or saved by autograd) with the
+        new ones. Autograd raises for the same code on an unsharded model, as DDP does."""
+        before = self._forward_versions
+        if before is None:
+            return
+        changed = [
+            repr(slot.fqn)
+            for slot, version in zip(self.slots, before, strict=True)
+            if slot.sharded_param._version != version
+        ]
+        if changed:
+            raise RuntimeError(
+                f"fshard: parameters {first_few(changed)} of unit {self.label} were modified "
+                "in place (optimizer.step(), load_state_dict, copy_, ...) after the forward "
+                "whose backward is now running, so its gradients would mix the old and the new "
+                "values. Modify parameters after the backward, or run the forward again. (On an "
+                "unsharded model or under DDP, autograd raises 'one of the variables needed for "
+                "gradient computation has been modified by an inplace operation' for this.)"
+            )
 
     def is_hidden(self) -> bool:
         """Gathered, but the modules hold the shards (see ``hide_unsharded``)."""

@@ -39,7 +39,7 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
-from fshard._errors import ProblemList, RankMismatchError, internal_error
+from fshard._errors import ProblemList, RankMismatchError, first_few, internal_error
 from fshard._group import ParamGroup, PendingAllReduce, PendingReduce, ShardedState, TrainingState
 from fshard._options import BackwardPrefetch
 from fshard._profiling import phase
@@ -172,7 +172,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
                 wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
     if gathered:
         raise ValueError(
-            f"the optimizer holds the gathered (full) copies of {_first_few(gathered)}, which fshard puts in "
+            f"the optimizer holds the gathered (full) copies of {first_few(gathered)}, which fshard puts in "
             "the modules for a unit's forward and backward, not the sharded parameters: it was "
             "built while the model was gathered (after fshard.unshard, or inside a forward), "
             "and would never update the shards. Build it over model.parameters() outside "
@@ -187,17 +187,12 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
         )
     if wrong:
         raise ValueError(
-            f"optimizer state of sharded parameter(s) {_first_few(wrong)} has the full parameter's shape: "
+            f"optimizer state of sharded parameter(s) {first_few(wrong)} has the full parameter's shape: "
             "the optimizer was stepped before fully_shard. Build the optimizer after sharding "
             "(or before, but step it only after), or move its state with "
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
     return sharded
-
-
-def _first_few(names: list[str]) -> str:
-    """The first three of ``names`` for an error message, then "..." if there are more."""
-    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _never_stepped(state: dict[str, Any]) -> bool:
@@ -238,7 +233,7 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
     stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
     missed = [g for g in pending if any(id(s.sharded_param) in stepped for s in g.slots)]
     if missed:
-        names = _first_few([g.label for g in missed])
+        names = first_few([g.label for g in missed])
         warnings.warn(
             f"optimizer.step() runs while fshard unit(s) {names} hold gradients accumulated "
             "without sync (no_sync / set_requires_gradient_sync(False)) that were never reduced: "
@@ -629,6 +624,8 @@ def _pre_forward(
     group.ran_since_backward = True
     root.record(group)
     group.unshard()
+    if torch.is_grad_enabled():
+        group.note_forward_versions()
     for target in root.forward_targets(group):
         target.unshard(async_op=True)
     mp = group.mp_policy
@@ -729,6 +726,8 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
             "Higher-order gradients are not supported through sharded units."
         )
     root.ensure_final_callback()
+    if group.training_state is TrainingState.IDLE:
+        group.check_unchanged_since_forward()  # the first of its pre-backwards in this pass
     if group.training_state is TrainingState.PRE_BACKWARD and (
         group.sharded_state is ShardedState.UNSHARDED
     ):

@@ -434,6 +434,51 @@ def test_an_optimizer_built_on_gathered_params_is_an_error():
 # ------------------------------------------------------------------ optimizer in backward
 
 
+def _modified_before_backward_worker(reshard_after_forward: bool, case: str):
+    ddp, model, reference = _beside_ddp(
+        _HeadOutside, lambda m: [m.body, m.mid], reshard_after_forward=reshard_after_forward
+    )
+    sd = {k: v + 1.0 for k, v in reference.state_dict().items()}
+    optims = _sgd(reference, model)
+    outcomes = []
+    for m, opt in zip((ddp, model), optims, strict=True):
+        loss = m.module(_batch(0, (3, 4))).pow(2).mean() if m is ddp else _square_loss(m, _batch(0, (3, 4)))
+        try:
+            if case == "load_state_dict":
+                (m.module if m is ddp else m).load_state_dict(sd)
+            elif case == "step-between-two-backwards":
+                loss.backward(retain_graph=True)
+                opt.step()
+            elif case == "edit-one-unit":  # a unit whose params backward reads (mid's input needs grad)
+                with torch.no_grad():
+                    (m.module.mid.weight if m is ddp else m.mid.weight.to_local()).add_(1.0)
+            loss.backward()
+            outcomes.append("no error")
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+    # Training goes on: a fresh forward and backward see the new values.
+    opt = optims[1]
+    opt.zero_grad()
+    _square_loss(model, _batch(1, (3, 4))).backward()
+    opt.step()
+    return outcomes
+
+
+@pytest.mark.parametrize("case", ["load_state_dict", "step-between-two-backwards", "edit-one-unit"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+def test_params_modified_between_a_forward_and_its_backward_are_an_error(reshard_after_forward, case):
+    """Where autograd on the unsharded model raises (a tensor it saved for backward was modified
+    in place), fshard raises too, naming the unit and the parameters, rather than computing the
+    gradients from a mix of the gathered old values and re-gathered new ones."""
+    for ddp_outcome, outcome in get_pool(2).run(_modified_before_backward_worker, reshard_after_forward, case):
+        assert "modified by an inplace operation" in ddp_outcome
+        assert "were modified in place" in outcome and "after the forward" in outcome
+        # The first changed unit the backward reaches: the root holds the head (unused, so
+        # unchanged by a step), mid is reached before body.
+        first = "'head.weight', 'head.bias' of unit <root>" if case == "load_state_dict" else "'mid.weight"
+        assert first in outcome
+
+
 def _optimizer_in_backward_worker(mesh_shape):
     ddp, model, reference = _beside_ddp(
         lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
