@@ -47,6 +47,30 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Dtypes every backend moves; the others (int16, uint16/32/64, float8, ...) gloo refuses, so the
+# collectives that only move data send their bytes instead.
+_WIRE_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a byte view of it when backends may not move its dtype (data movement only)."""
+    if t.dtype in _WIRE_DTYPES or t.is_complex() or not t.is_contiguous():
+        return t
+    return t.reshape(-1).view(torch.uint8)  # a view: what lands in it lands in ``t``
+
+
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as issued by this rank.
@@ -221,7 +245,7 @@ def all_gather_into(
     _trace("all_gather", group, _nbytes(input), _nbytes(output), input.dtype, label, async_op)
     _record("all_gather", group, label, input.numel())
     with phase(f"fshard::all_gather({label})"), _failure_context("all_gather", label):
-        return _all_gather_single(output, input, group=group, async_op=async_op)
+        return _all_gather_single(_as_wire(output), _as_wire(input), group=group, async_op=async_op)
 
 
 def reduce_scatter_into(
@@ -262,7 +286,7 @@ def broadcast_(
     """Broadcast ``tensor`` in place from global rank ``src``."""
     _trace("broadcast", group, _nbytes(tensor), _nbytes(tensor), tensor.dtype, label, False)
     with phase(f"fshard::broadcast({label})"), _failure_context("broadcast", label):
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(_as_wire(tensor), src=src, group=group)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, label: str) -> list[Any]:
@@ -299,14 +323,14 @@ def gather_into(
     is_dst = me == dst
     out_bytes = _nbytes(input) * size if is_dst else 0
     _trace("gather", group, _nbytes(input), out_bytes, input.dtype, label, False)
-    flat = input.reshape(-1)
+    flat = _as_wire(input.reshape(-1))
     with phase(f"fshard::gather({label})"), _failure_context("gather", label):
         if not is_dst:
             dist.send(flat, dst=dst, group=group)
             return
         if output is None:
             raise ValueError(f"gather_into({label}): the destination rank {dst} needs an output")
-        chunks = output.view(size, -1)
+        chunks = _as_wire(output).view(size, -1)
         works: list[dist.Work] = []
         for index, rank in enumerate(ranks):
             if rank == me:
@@ -340,9 +364,9 @@ def scatter_into(
     if is_src:
         if input is None:
             raise ValueError(f"scatter_into({label}): the source rank {src} needs an input")
-        scatter_list = list(input.view(size, -1).unbind(0))
+        scatter_list = list(_as_wire(input).view(size, -1).unbind(0))
     with phase(f"fshard::scatter({label})"), _failure_context("scatter", label):
-        dist.scatter(output, scatter_list, src=src, group=group)
+        dist.scatter(_as_wire(output), scatter_list, src=src, group=group)
 
 
 def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None, *, label: str) -> Any:

@@ -517,6 +517,51 @@ def test_sharded_parameters_are_dtensor_like(mesh_shape):
             assert info["placements"] == ((shard,) if len(mesh_shape) == 1 else ("R", shard))
 
 
+class _OddDtypes(nn.Module):
+    """Frozen params of dtypes gloo cannot move (int16, uint16, float8) beside a trained layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        values = torch.arange(-7, 7).reshape(7, 2)
+        self.codes = nn.Parameter(values.to(torch.int16), requires_grad=False)
+        self.ids = nn.Parameter(values.abs().to(torch.uint16), requires_grad=False)
+        self.scales = nn.Parameter((values / 8).to(torch.float8_e4m3fn), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.codes.float().sum() + self.ids.float().sum() + self.scales.float().sum()
+        return self.linear(x) + bias
+
+
+def _odd_dtypes_worker(mesh_shape):
+    torch.manual_seed(0)
+    reference = _OddDtypes()
+    model = copy.deepcopy(reference)
+    fshard.fully_shard(model, mesh=mesh_for(mesh_shape))
+    model(torch.ones(2, 3)).sum().backward()  # gathered for the forward
+    fulls = {name: p.full_tensor() for name, p in model.named_parameters()}
+    on_rank0 = fshard.full_state_dict(model)  # one parameter gathered at a time, to rank 0
+    fresh = _OddDtypes()
+    for p in fresh.parameters():
+        p.data.zero_()
+    fshard.fully_shard(fresh, mesh=mesh_for(mesh_shape))
+    fshard.load_state_dict(fresh, reference.state_dict() if dist.get_rank() == 0 else None, broadcast_from_rank0=True)
+    loaded = {name: p.full_tensor() for name, p in fresh.named_parameters()}
+    for name, q in reference.named_parameters():
+        for what, got in (("full_tensor", fulls[name]), ("broadcast load", loaded[name])):
+            assert got.dtype == q.dtype and torch.equal(got.view(torch.uint8), q.detach().view(torch.uint8)), (what, name)
+        if dist.get_rank() == 0:
+            assert torch.equal(on_rank0[name].view(torch.uint8), q.detach().view(torch.uint8)), name
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_parameters_of_dtypes_gloo_cannot_move(mesh_shape):
+    """int16, uint16 and float8 params are gathered, broadcast and saved as their bytes (gloo has
+    no collectives for those dtypes): the values are exact."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_odd_dtypes_worker, mesh_shape))
+
+
 def _tied_sibling_units_worker():
     # The head and the embedding are both units; their shared weight must move to the root.
     spec = TransformerSpec(dim=6, layers=1)
