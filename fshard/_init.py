@@ -47,7 +47,9 @@ def materialize(
     are initialised one at a time in construction order, drawing from the global generator as
     eager construction does. A model that re-initialises its weights in ``__init__`` (GPT-2 /
     Hugging Face ``_init_weights`` style) needs ``init_fn`` doing the same per module.
-    Returns ``model``.
+    Initialisers run on the mesh's device, so on a CUDA mesh they draw from the CUDA generator:
+    the result equals a model built under ``torch.device("cuda")`` with the same seed, not one
+    built on the CPU and moved. Returns ``model``.
 
     Example:
         >>> with torch.device("meta"):          # doctest: +SKIP
@@ -152,7 +154,8 @@ def _init_module(
                 init_fn(module)
             else:
                 initialiser = _initialiser(module)
-                assert initialiser is not None  # checked in _check_initialisers
+                if initialiser is None:  # _check_initialisers rules this out
+                    raise RuntimeError(f"materialize: {type(module).__name__} lost its reset_parameters()")
                 initialiser()
     finally:
         initialised = dict(module._parameters)
