@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fshard import _collectives
+from fshard._mesh import default_device_type
 
 __all__ = ["ShardedGradScaler"]
 
@@ -39,7 +40,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = default_device_type(process_group)
         super().__init__(
             device,
             init_scale=init_scale,
@@ -68,7 +69,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def _sync_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        backend_device = "cuda" if dist.get_backend(self.process_group) == "nccl" else "cpu"
+        backend_device = default_device_type(self.process_group)
         flags = list(found.values())
         any_inf = torch.zeros(1, dtype=torch.float32, device=backend_device)
         for flag in flags:

@@ -74,10 +74,15 @@ def fully_shard(
     backward is held aside), and the next forward frees and gathers afresh what a forward
     without a backward kept.
 
+    Parameters and buffers on the CPU move to the mesh's device, parameters only as this rank's
+    rows (under ``CPUOffload`` the shards stay on the CPU), so a model built on the CPU never
+    needs a full copy on the accelerator; meta parameters wait for ``fshard.materialize``.
+
     Args:
         module: the module to shard; it must not already be a unit.
         mesh: a 1D ``DeviceMesh`` (shard) or 2D ``(replicate, shard)`` mesh; ``None`` means a 1D
-            mesh over the default process group (cuda if available, else cpu).
+            mesh over the default process group (cuda if available and the group's backend
+            runs on it, e.g. NCCL; else cpu).
         reshard_after_forward: free gathered parameters after forward (``True``) or keep them
             until backward (``False``).
         mp_policy: a ``MixedPrecision`` policy for this unit.
@@ -151,7 +156,7 @@ def fully_shard(
                 "ignored_params)"
             )
             continue
-        problem = device_problem(name, param.device, info.device, offload=offload_policy is not None)
+        problem = device_problem(name, param.device, info.device)
         if problem:
             problems.add(problem)
             continue
@@ -190,6 +195,11 @@ def fully_shard(
                 sites.setdefault(id(registered), []).append((sub, attr))
     for slot in slots:
         slot.registrations = sites.get(id(slot.sharded_param), [])
+    if info.device.type != "cpu":  # the forward computes there (units below moved theirs)
+        for sub in module.modules():
+            for attr, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device.type == "cpu":
+                    sub._buffers[attr] = buffer.to(info.device)
     register_unit(module, group)
     return module
 
@@ -220,20 +230,21 @@ def _foreign_wrappers(module: nn.Module) -> list[str]:
     return problems
 
 
-def device_problem(
-    name: str, device: torch.device, mesh_device: torch.device, *, offload: bool
-) -> str | None:
+def device_problem(name: str, device: torch.device, mesh_device: torch.device) -> str | None:
     """Why parameter ``name`` on ``device`` cannot be sharded for ``mesh_device`` (or None).
 
+    The mesh's device, the meta device (``fshard.materialize`` allocates later) and the CPU
+    (``fully_shard`` copies this rank's rows to the mesh's device, or keeps them there under
+    ``CPUOffload``) are fine; another accelerator is not.
+
     Example:
-        >>> device_problem("w", torch.device("cpu"), torch.device("cpu"), offload=False) is None
+        >>> device_problem("w", torch.device("cpu"), torch.device("cuda", 0)) is None
         True
-        >>> print(device_problem("w", torch.device("cuda", 1), torch.device("cuda", 0), offload=False))
+        >>> print(device_problem("w", torch.device("cuda", 1), torch.device("cuda", 0)))
         ... # doctest: +ELLIPSIS
         parameter 'w' is on cuda:1, but the mesh computes on cuda:0; ...
     """
-    allowed = {mesh_device, torch.device("cpu")} if offload else {mesh_device}
-    if device.type == "meta" or device in allowed:
+    if device.type in ("meta", "cpu") or device == mesh_device:
         return None
     return (
         f"parameter {name!r} is on {device}, but the mesh computes on {mesh_device}; move the "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "register_mesh_cache"]
+__all__ = ["MeshInfo", "mesh_info", "default_device_type", "default_mesh", "mesh_device", "register_mesh_cache"]
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -130,6 +130,25 @@ def _release_at_exit() -> None:
     gc.collect()
 
 
+def default_device_type(group: dist.ProcessGroup | None = None) -> str:
+    """``"cuda"`` if CUDA is available and ``group`` (default: the default process group) can
+    run collectives on it, else ``"cpu"``: a gloo group on a GPU machine computes on the CPU.
+
+    Example:
+        >>> default_device_type() in ("cpu", "cuda")
+        True
+    """
+    if not torch.cuda.is_available():
+        return "cpu"
+    if not (dist.is_available() and dist.is_initialized()):
+        return "cuda"
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
+        devices = {part.split(":", 1)[0].strip() for part in backend.split(",")}
+        return "cuda" if "cuda" in devices else "cpu"
+    return "cpu" if backend == "gloo" else "cuda"
+
+
 def default_mesh(where: str) -> DeviceMesh:
     """A 1D mesh over the default process group on the default device type (cached)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -138,7 +157,7 @@ def default_mesh(where: str) -> DeviceMesh:
             "torch.distributed.init_process_group(...) first (torchrun sets up the environment), "
             "or pass mesh=init_device_mesh(...)"
         )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = default_device_type()
     key = (device_type, id(dist.group.WORLD))
     mesh = _DEFAULT_MESHES.get(key)
     if mesh is None:

@@ -117,13 +117,15 @@ class ParamSlot:
         if layout.replicated or self.mesh_info.shard_size == 1:
             return local.clone().view(layout.full_shape)
         size = self.mesh_info.shard_size
-        padded = local.new_zeros(layout.slot_numel)
+        # On the mesh's device: a CPU-offloaded shard cannot take part in an NCCL collective.
+        device = self.mesh_info.device
+        padded = torch.zeros(layout.slot_numel, dtype=local.dtype, device=device)
         padded[: layout.local_numel].copy_(local.reshape(-1))
-        output = local.new_empty(size * layout.slot_numel)
+        output = torch.empty(size * layout.slot_numel, dtype=local.dtype, device=device)
         _collectives.all_gather_into(
             output, padded, self.mesh_info.shard_group, label=f"full_tensor({self.fqn})"
         )
-        return output[: layout.full_numel].view(layout.full_shape)
+        return output[: layout.full_numel].view(layout.full_shape).to(local.device)
 
 
 def _set_data(param: nn.Parameter, data: torch.Tensor) -> None:

@@ -268,8 +268,27 @@ def _shard_of(value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     if isinstance(value, DTensor):
         if _same_layout(value, slot):
             return value.to_local()
-        return _local_rows(value.full_tensor(), slot).clone()
+        return _local_rows(_full_tensor(value), slot).clone()
     return _local_rows(value, slot)
+
+
+def _full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, also for a DTensor whose local tensor is not on its mesh's
+    device (a CPU-offloaded model's state on a CUDA mesh: NCCL cannot gather CPU tensors);
+    the result is on the local tensor's device."""
+    local = value.to_local()
+    mesh = value.device_mesh
+    if local.device.type == mesh.device_type:
+        return value.full_tensor()
+    moved = DTensor.from_local(
+        local.to(mesh.device_type),
+        mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+    return moved.full_tensor().to(local.device)
 
 
 def _global_shape(value: torch.Tensor) -> torch.Size:
@@ -281,7 +300,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, DTensor):
         if all(p.is_replicate() for p in value.placements):
             return value.to_local()
-        return value.full_tensor()
+        return _full_tensor(value)
     return value
 
 
@@ -1299,7 +1318,7 @@ def _local_state(
         elif _same_layout(value, slot):
             local = value.to_local()
         else:
-            return _local_rows(value.full_tensor(), slot).clone()  # already a fresh tensor
+            return _local_rows(_full_tensor(value), slot).clone()  # already a fresh tensor
     elif shard_shaped and value.shape == slot.layout.full_shape:  # type: ignore[union-attr]  # shard_shaped
         # A full tensor: keep only this rank's rows, never a view of the whole.
         return _local_rows(value, slot).clone()  # type: ignore[arg-type]  # shard_shaped

@@ -6,11 +6,10 @@ import os
 from enum import IntEnum
 from typing import TypedDict
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fshard._mesh import register_mesh_cache
+from fshard._mesh import default_device_type, register_mesh_cache
 
 __all__ = ["ShardingStrategy", "StrategyKwargs", "strategy_kwargs", "parse_strategy"]
 
@@ -94,6 +93,8 @@ def strategy_kwargs(
     ``(replicate_size, world // replicate_size)`` mesh, where ``replicate_size`` defaults to the
     number of nodes (``world_size // LOCAL_WORLD_SIZE``, as set by torchrun). Meshes are created
     once per shape and reused. Every rank must call it (mesh creation is collective).
+    ``device_type`` defaults to cuda where CUDA is available and the default process group runs
+    on it (NCCL), else cpu.
 
     Example:
         >>> kwargs = fshard.strategy_kwargs("HYBRID_SHARD", replicate_size=2)  # doctest: +SKIP
@@ -108,7 +109,7 @@ def strategy_kwargs(
         )
     world = dist.get_world_size()
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = default_device_type()
     if replicate_size is not None and strategy not in (
         ShardingStrategy.HYBRID_SHARD,
         ShardingStrategy.HYBRID_SHARD_ZERO2,

@@ -152,7 +152,10 @@ def _device(name: str) -> torch.device:
     module = getattr(torch, device.type, None)
     available = getattr(module, "is_available", None)
     if available is not None and available():
-        return device
+        # This process's device of that type: "cuda:3" when saving may be another rank's
+        # GPU, or none, when loading at another world size.
+        current = getattr(module, "current_device", None)
+        return torch.device(device.type, current()) if callable(current) else device
     return torch.device("cpu")
 
 
@@ -630,11 +633,14 @@ def _optim_template(
     """
     names = _param_names(_entries(model, where))
     by_name: dict[str, tuple[ParamSlot | None, torch.Tensor]] = {}
+    on_device_step: set[str] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in names:
                 name, slot = names[id(p)]
                 by_name[name] = (slot, p)
+                if group.get("capturable") or group.get("fused"):
+                    on_device_step.add(name)
     problems = ProblemList(where)
     out: dict[str, dict[str, Any]] = {}
     for name, entries in desc["state"].items():
@@ -662,6 +668,10 @@ def _optim_template(
                     continue
                 local = torch.empty(slot.layout.local_shape, dtype=dtype, device=param.device)
                 per[key] = _as_dtensor(slot, local)
+            elif key == "step" and name not in on_device_step:
+                # As torch's optimizers keep it: on the CPU unless capturable or fused (a step
+                # on the GPU costs two host syncs per parameter and step).
+                per[key] = torch.empty(shape, dtype=dtype, device="cpu")
             else:
                 per[key] = torch.empty(shape, dtype=dtype, device=param.device)
         out[name] = per

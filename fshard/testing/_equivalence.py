@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fshard._mesh import register_mesh_cache
+from fshard._mesh import default_device_type, register_mesh_cache
 from fshard.testing._pool import RankPool, get_pool
 
 __all__ = ["assert_equivalent_to_ddp", "EquivalenceReport", "mesh_for", "default_shard"]
@@ -31,7 +31,7 @@ def mesh_for(shape: Sequence[int], device_type: str | None = None) -> DeviceMesh
     """
     shape = tuple(int(s) for s in shape)
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = default_device_type()
     key = (device_type, shape, id(dist.group.WORLD))
     mesh = _MESHES.get(key)
     if mesh is None:

@@ -1,19 +1,31 @@
 """The equivalence properties on CUDA with NCCL, one rank per GPU (skipped without GPUs).
 
 Device handling is generic, so these run the same code path as the gloo tests; only the pool's
-backend differs. With one GPU this runs world size 1 over NCCL.
+backend differs. With one GPU this runs world size 1 over NCCL: that checks devices, streams,
+pinned-memory offload, mixed precision, the grad scaler and checkpoints on CUDA, though a mesh
+of one rank moves nothing over the network (the gloo suite covers the collectives' contents).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
-from fshard.testing import RankPool, assert_equivalent_to_ddp
-from fshard.testing.models import MLPSpec, TransformerSpec, build_model, compute_loss, make_batch, shard_model
+import fshard
+from fshard.testing import RankPool, assert_equivalent_to_ddp, mesh_for
+from fshard.testing.models import (
+    MLPSpec,
+    TransformerSpec,
+    build_model,
+    compute_loss,
+    make_batch,
+    shard_model,
+)
 
+GPT = TransformerSpec(vocab=37, dim=12, heads=3, layers=2, seq=7)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NCCL = torch.distributed.is_available() and torch.distributed.is_nccl_available()
 
@@ -63,3 +75,109 @@ def test_nccl_training_equals_ddp(nccl_pool, spec, reshard_after_forward):
             grad_accum=2,
             pool=nccl_pool,
         )
+
+
+# ------------------------------------------------------------- the knobs, on the accelerator
+
+
+def _train(spec, model, steps=3, scaler=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = compute_loss(spec, model, _cuda_batch(spec, step, torch.distributed.get_rank()))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        fshard.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return opt, losses
+
+
+def _knobs_worker(spec, knob):
+    mesh = mesh_for((torch.distributed.get_world_size(),))
+    runs = {}
+    for offload in (False, True):
+        kwargs = {"offload_policy": fshard.CPUOffload(pin_memory=True)} if offload else {}
+        if knob in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if knob == "bf16" else torch.float16
+            kwargs["mp_policy"] = fshard.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+        model = shard_model(spec, _to_cuda_model(spec), mesh, **kwargs)
+        scaler = fshard.ShardedGradScaler() if knob == "fp16" else None
+        _, losses = _train(spec, model, scaler=scaler)
+        state = fshard.full_state_dict(model, rank0_only=False)
+        runs[offload] = (losses, {k: v.cpu() for k, v in state.items()})
+        if offload:
+            p = next(model.parameters())
+            assert p.to_local().device.type == "cpu" and p.full_tensor().device.type == "cpu"
+    (plain_losses, plain), (off_losses, off) = runs[False], runs[True]
+    assert all(math.isfinite(x) for x in plain_losses), plain_losses
+    # Offload steps AdamW on the CPU instead of the GPU: the same math, rounded by other kernels.
+    tol = 1e-5 if knob == "fp32" else 2e-2
+    torch.testing.assert_close(torch.tensor(off_losses), torch.tensor(plain_losses), rtol=tol, atol=tol)
+    for key in plain:
+        torch.testing.assert_close(off[key], plain[key], rtol=tol, atol=tol, msg=key)
+    return True
+
+
+@pytest.mark.parametrize("knob", ["fp32", "bf16", "fp16"])
+def test_nccl_mixed_precision_offload_and_scaler(nccl_pool, knob):
+    """bf16 / fp16 (with ShardedGradScaler) and CPU offload with pinned memory train on the GPU,
+    and offloading changes the numbers by rounding only."""
+    assert all(nccl_pool.run(_knobs_worker, GPT, knob))
+
+
+def _cpu_built_worker(spec):
+    mesh = mesh_for((torch.distributed.get_world_size(),))
+    on_gpu = shard_model(spec, _to_cuda_model(spec), mesh)
+    on_cpu = build_model(spec)  # built on the CPU: fully_shard copies its rows to the GPU
+    on_cpu.register_buffer("scale", torch.ones(()))  # a buffer moves too
+    shard_model(spec, on_cpu, mesh)
+    assert all(p.to_local().is_cuda for p in on_cpu.parameters())
+    assert all(b.is_cuda for b in on_cpu.buffers())
+    _, a = _train(spec, on_gpu)
+    _, b = _train(spec, on_cpu)
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
+    return True
+
+
+def test_nccl_model_built_on_the_cpu(nccl_pool):
+    assert all(nccl_pool.run(_cpu_built_worker, GPT))
+
+
+def _checkpoint_worker(spec, directory, fused):
+    mesh = mesh_for((torch.distributed.get_world_size(),))
+    offload = {"offload_policy": fshard.CPUOffload()}
+    model = shard_model(spec, _to_cuda_model(spec), mesh, **offload)
+    opt, _ = _train(spec, model, steps=2)
+    path = f"{directory}/ckpt-{fused}"
+    extra = {"rng": torch.cuda.get_rng_state(), "on_gpu": torch.arange(3, device="cuda")}
+    fshard.checkpoint.save(path, model, opt, extra=extra)
+    # Load into a model on another mesh shape, not offloaded (the sharded state is gathered
+    # from CPU shards over the GPU mesh), with a fused or plain AdamW.
+    other = shard_model(spec, _to_cuda_model(spec), mesh_for((1, torch.distributed.get_world_size())))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, fused=fused)
+    back = fshard.checkpoint.load(path, other, other_opt)
+    assert back["on_gpu"].device == torch.device("cuda", torch.cuda.current_device())
+    for state in other_opt.state.values():
+        # torch keeps step on the CPU unless the optimizer is fused or capturable.
+        assert state["step"].device.type == ("cuda" if fused else "cpu"), state["step"].device
+        assert state["exp_avg"].is_cuda
+    sd = fshard.state_dict(model)
+    target = shard_model(spec, _to_cuda_model(spec), mesh_for((1, torch.distributed.get_world_size())))
+    fshard.load_state_dict(target, sd)  # DTensors with CPU locals on a CUDA mesh
+    for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor().cpu(), q.full_tensor().cpu(), rtol=0, atol=0, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_nccl_checkpoint_devices(nccl_pool, tmp_path_factory, fused):
+    directory = str(tmp_path_factory.mktemp("nccl-ckpt"))
+    assert all(nccl_pool.run(_checkpoint_worker, GPT, directory, fused))
+
