@@ -293,7 +293,6 @@ class ParamGroup:
             for bucket in self.buckets:
                 if bucket.aliased:
                     continue
-                bucket.alloc_unsharded()
                 all_gather_input = bucket.all_gather_input()
                 size = self.mesh_info.shard_size
                 if size == 1:
@@ -327,6 +326,9 @@ class ParamGroup:
         with phase(f"fshard::copy_out({self.trace_name})"):
             for bucket, work, all_gather_output in self._pending_gather:
                 _collectives.wait(work, op="all_gather", label=self.trace_name)
+                # Allocated only now: a prefetched unit holds the all-gather output alone
+                # while its gather is in flight, not that and its unsharded params.
+                bucket.alloc_unsharded()
                 bucket.copy_out(all_gather_output)
                 if self.mesh_info.shard_size > 1:  # size 1 gathers nothing: no output buffer
                     GATHERED.sub(all_gather_output.numel() * all_gather_output.element_size())
