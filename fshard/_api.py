@@ -115,7 +115,8 @@ def fully_shard(
             "call fully_shard once per module"
         )
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
-    ignored = {id(p) for p in (ignored_params or ())}
+    ignored_list = list(ignored_params or ())
+    ignored = {id(p) for p in ignored_list}
 
     if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
         raise ValueError(
@@ -195,6 +196,9 @@ def fully_shard(
                 sites.setdefault(id(registered), []).append((sub, attr))
     for slot in slots:
         slot.registrations = sites.get(id(slot.sharded_param), [])
+    for param in ignored_list:
+        if isinstance(param, torch.Tensor):
+            param._fshard_ignored = True  # type: ignore[attr-defined]  # the optimizer check skips it
     if info.device.type != "cpu":  # the forward computes there (units below moved theirs)
         for sub in module.modules():
             for attr, buffer in sub._buffers.items():

@@ -144,14 +144,22 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     """
     wrong = []
     gathered = []
+    unowned: list[str] = []
     sharded = False
+    data_parallel = 1
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
             if hasattr(param, "_fshard_gathered_of"):
                 gathered.append(repr(param._fshard_gathered_of))
             slot = getattr(param, "_fshard_slot", None)
-            sharded = sharded or slot is not None
-            if slot is None or param not in optimizer.state:
+            if slot is None:
+                if param.requires_grad and not hasattr(param, "_fshard_gathered_of"):
+                    if not getattr(param, "_fshard_ignored", False):
+                        unowned.append(str(list(param.shape)))
+                continue
+            sharded = True
+            data_parallel = max(data_parallel, slot.mesh_info.dp_size)
+            if param not in optimizer.state:
                 continue
             layout = slot.layout
             state = optimizer.state[param]
@@ -184,6 +192,21 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "dot products over whole parameters, and each rank holds only its shards, so the "
             "ranks would take different steps. Use an elementwise optimizer (SGD, Adam, AdamW, "
             "...), or run LBFGS on an unsharded model."
+        )
+    if sharded and unowned and data_parallel > 1:
+        # [Note: parameters no unit owns] A head kept outside the sharded module (a wrapper
+        # whose inner model alone was sharded) trains on this rank's gradients only; DDP of
+        # the wrapper would average them. fshard cannot tell whether something else (DDP, the
+        # user's own all_reduce) averages them, so it warns rather than raises.
+        warnings.warn(
+            f"the optimizer steps {len(unowned)} parameter(s) that no fshard unit owns (shapes "
+            f"{first_few(unowned)}) beside sharded ones: their gradients are this rank's own, "
+            "not averaged over the ranks as DDP's are, so the ranks' copies drift apart. Shard "
+            "a module that contains them (often the wrapper, as the root: "
+            "fshard.fully_shard(wrapper) after its inner model). If something else averages "
+            "their gradients (DDP, your own all_reduce), pass them in fully_shard's "
+            "ignored_params or filter this warning.",
+            stacklevel=4,
         )
     if wrong:
         raise ValueError(
@@ -887,7 +910,10 @@ def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
         if getattr(param, "_fshard_slot", None) is not None and id(param) not in owner:
             problems.add(
                 f"parameter {fqn + '.' + attr if fqn else attr!r} belongs to a unit outside this "
-                "model's tree; call fully_shard on a module that contains every user of it"
+                "model's tree (another sharded model uses it too); call fully_shard on a module "
+                "that contains every user of it (a parent of both models), or, for a parameter "
+                "that is not trained (a frozen embedding shared by teacher and student), leave "
+                "it unsharded: ignored_params=[it] in every fully_shard call that would take it"
             )
     problems.raise_if_any(ValueError)
     for source, target, slot in moves:

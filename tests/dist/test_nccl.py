@@ -181,3 +181,35 @@ def test_nccl_checkpoint_devices(nccl_pool, tmp_path_factory, fused):
     directory = str(tmp_path_factory.mktemp("nccl-ckpt"))
     assert all(nccl_pool.run(_checkpoint_worker, GPT, directory, fused))
 
+
+
+def _accelerate_worker(spec, offload):
+    # The accelerate flow: the model is built on the CPU (rank 0 only, the others on meta, with
+    # cpu_ram_efficient_loading), then from_config shards it onto the GPUs.
+    if torch.distributed.get_rank() == 0:
+        model = build_model(spec)
+    else:
+        with torch.device("meta"):
+            model = build_model(spec)
+    config = {
+        "mixed_precision": "bf16",
+        "fsdp_config": {
+            "fsdp_sharding_strategy": "FULL_SHARD",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": "Block",
+            "fsdp_offload_params": offload,
+            "fsdp_sync_module_states": True,
+            "fsdp_cpu_ram_efficient_loading": True,
+        },
+    }
+    fshard.from_config(model, config)
+    expected = "cpu" if offload else "cuda"
+    assert all(p.to_local().device.type == expected for p in model.parameters())
+    _, losses = _train(spec, model)
+    assert all(math.isfinite(x) for x in losses), losses
+    return True
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "offload"])
+def test_nccl_from_config_with_a_model_built_on_the_cpu(nccl_pool, offload):
+    assert all(nccl_pool.run(_accelerate_worker, GPT, offload))

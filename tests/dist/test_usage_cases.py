@@ -881,3 +881,54 @@ def test_two_forwards_with_reentrant_checkpointing_equal_ddp(where, reshard_afte
     """Reentrant checkpointing runs one nested backward per forward: a unit called twice gets
     its gradients in two parts, and recomputes with its params in both."""
     assert all(get_pool(2).run(_two_forwards_reentrant_worker, where, reshard_after_forward))
+
+
+# ------------------------------------------------------------- parameters no unit owns
+
+
+class _Wrapper(nn.Module):
+    """A wrapper holding the model and a head of its own (a classifier around a backbone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def _unowned_worker(how: str):
+    ddp, model, reference = _beside_ddp(_Wrapper, lambda m: [m.inner[0]])  # the wrapper is the root
+    if how != "root":
+        torch.manual_seed(0)
+        model = _Wrapper()
+        ignored = [model.head.weight, model.head.bias] if how == "ignored" else None
+        fshard.fully_shard(model.inner, mesh=mesh_for((2,)), ignored_params=ignored)  # inner only
+    opts = _sgd(reference, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_side_by_side((ddp, model), opts, (3, 4), steps=1)
+    messages = [str(w.message) for w in caught if "no fshard unit owns" in str(w.message)]
+    if how == "root":
+        _assert_params_equal(model, reference)
+        return messages, True
+    head = model.head.weight.detach()  # plain: each rank's own copy
+    gathered = [torch.empty_like(head) for _ in range(2)]
+    dist.all_gather(gathered, head)
+    return messages, torch.equal(gathered[0], gathered[1])
+
+
+def test_an_optimizer_stepping_params_no_unit_owns_warns():
+    """A wrapper's head outside the sharded module trains on each rank's own gradients (DDP of
+    the wrapper averages them): the first step warns, naming the count and shapes. Sharding the
+    wrapper as the root owns them (no warning, ranks agree); ignored_params says they are
+    synchronised elsewhere."""
+    for messages, agree in get_pool(2).run(_unowned_worker, "inner-only"):
+        assert len(messages) == 1
+        assert "steps 2 parameter(s) that no fshard unit owns (shapes [3, 8], [3])" in messages[0]
+        assert "fshard.fully_shard(wrapper)" in messages[0]
+        assert not agree  # the drift warned of: each rank stepped its own head
+    for how in ("root", "ignored"):
+        for messages, _ in get_pool(2).run(_unowned_worker, how):
+            assert messages == [], how
