@@ -518,9 +518,13 @@ def clip_grad_norm_(
             "clip anyway"
         )
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params]
-    for g in grads:
-        g.mul_(clip_coef.to(g.device, g.dtype))  # type: ignore[union-attr]  # filtered above
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:  # filtered above
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, clip_coef.to(device, dtype))
     return total_norm
 
 

@@ -67,6 +67,10 @@ def unit_of(module: nn.Module) -> ParamGroup | None:
 
 def units_under(module: nn.Module) -> list[ParamGroup]:
     """The units in ``module``'s subtree (itself included), in module order."""
+    group = module.__dict__.get(_UNIT_ATTR)
+    root = group.root if group is not None else None
+    if isinstance(root, RootState) and root.root is group and root.units_made == _UNITS_MADE[0]:
+        return list(root.groups)  # an initialised root, no unit made since: no module walk
     return [m.__dict__[_UNIT_ATTR] for m in module.modules() if _UNIT_ATTR in m.__dict__]
 
 
@@ -362,6 +366,7 @@ class RootState:
     def __init__(self, root: ParamGroup, groups: list[ParamGroup]) -> None:
         self.root = root
         self.groups = groups
+        self.units_made = _UNITS_MADE[0]  # units_under(root) is ``groups`` while this holds
         self.forward_order: list[ParamGroup] = []
         self._recorded = False
         self._recording = False
@@ -653,7 +658,11 @@ def _pre_forward(
         target.unshard(async_op=True)
     mp = group.mp_policy
     if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-        args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+            dtype = mp.param_dtype
+            args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+        else:
+            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
     if torch.is_grad_enabled() and not kwargs and all(type(a) is torch.Tensor for a in args):
         # Fast path, the common call: plain positional tensors.
         positions = [i for i, a in enumerate(args) if a.requires_grad]
