@@ -51,7 +51,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -74,7 +73,7 @@ from fshard.testing import CollectiveRecord, trace_collectives
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, GPTConfig, parse_mesh, synthetic_batch
+from train_gpt import GPT, GPTConfig, parse_mesh, pick_device, synthetic_batch
 
 VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fsdp2")
 MiB = 1 << 20
@@ -278,6 +277,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=128, help="as train_gpt.py's demo")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: a GPU per rank if there are enough, else CPU ranks over gloo",
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -302,13 +307,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # FSDP2's view-output notice
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = pick_device(args.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = args.mesh or (world,)

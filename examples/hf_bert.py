@@ -76,7 +76,10 @@ def main() -> None:
     config_source = args.config_file or os.environ.get("FSHARD_CONFIG_FILE") or str(DEFAULT_CONFIG)
     cfg = fshard.load_config(config_source)  # validates the file before any process starts work
 
-    use_cuda = torch.cuda.is_available() and not cfg.launch.use_cpu
+    # A GPU per local rank (NCCL needs one each), unless the config says use_cpu; a machine
+    # with fewer GPUs than ranks runs CPU ranks over gloo.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = not cfg.launch.use_cpu and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -168,6 +168,25 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world)
 
 
+def pick_device(choice: str) -> torch.device:
+    """This rank's device for ``--device``: ``auto`` takes a GPU per local rank when the machine
+    has one for each (NCCL needs a GPU per rank), else the CPU (gloo)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if choice == "auto":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        choice = "cuda" if enough else "cpu"
+    if choice == "cuda":
+        if torch.cuda.device_count() <= local_rank:
+            raise SystemExit(
+                f"--device cuda: local rank {local_rank} has no GPU ({torch.cuda.device_count()} "
+                "visible); start one process per GPU, or use --device cpu"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="N or RxS (default: world size)")
@@ -184,11 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: only after the last step)")
     parser.add_argument("--crash-at-step", type=int, default=None, help="testing: a rank kills itself at the start of this step (first attempt only)")
     parser.add_argument("--crash-rank", type=int, default=0, help="testing: the rank that --crash-at-step kills")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: a GPU per rank if there are enough, else CPU ranks over gloo")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = pick_device(args.device)
     init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = args.mesh or (world,)

@@ -162,7 +162,8 @@ def test_fshard_consolidate_command_writes_a_loadable_safetensors_file(saved_2x2
 @pytest.mark.parametrize("mode", ["during_write", "during_swap"])
 def test_a_save_killed_part_way_leaves_a_loadable_checkpoint(tmp_path, mode):
     path = str(tmp_path / "ckpt")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": python_path}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.dist._ckpt_crash_child", mode, path, str(tmp_path / "store")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
