@@ -211,6 +211,10 @@ class ParamGroup:
             )
             bucket.pack([m[1] for m in members])
             self.buckets.append(bucket)
+        # Params whose gathered copy is separate storage (not the shard itself): edits made to
+        # it in place are lost when the unit is freed ([Note: edits to gathered copies]).
+        self._copied_slots = [slot for b in self.buckets if not b.aliased for slot in b.slots]
+        self._gathered_versions: list[int] | None = None
         for slot in self.slots:
             self._ensure_grad_hook(slot)
 
@@ -334,6 +338,7 @@ class ParamGroup:
                     GATHERED.sub(all_gather_output.numel() * all_gather_output.element_size())
             self._pending_gather = []
             self._register_unsharded()
+            self._note_gathered_versions()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _register_unsharded(self) -> None:
@@ -351,6 +356,39 @@ class ParamGroup:
             slot.use_unsharded()
         self._num_grad_params = num_grad_params
         self.unsharded_registered = True
+
+    # [Note: edits to gathered copies]
+    # A unit's forward computes with gathered copies; an in-place change to one (an
+    # nn.Embedding with max_norm renormalising its rows, a weight clamped inside forward, an
+    # edit between fshard.unshard and fshard.reshard) changes the copy, not the shard, and is
+    # dropped when the unit is freed, where DDP would keep it. The copies' version counters
+    # (their own: see [Note: storage reuse]) tell, so freeing warns, naming the parameters.
+
+    def _note_gathered_versions(self) -> None:
+        self._gathered_versions = [
+            s.unsharded_param._version if s.unsharded_param is not None else 0
+            for s in self._copied_slots
+        ]
+
+    def _warn_on_dropped_edits(self) -> None:
+        before, self._gathered_versions = self._gathered_versions, None
+        if not before:
+            return
+        changed = [
+            repr(slot.fqn)
+            for slot, version in zip(self._copied_slots, before, strict=True)
+            if slot.unsharded_param is not None and slot.unsharded_param._version != version
+        ]
+        if changed:
+            warnings.warn(
+                f"fshard: parameters {first_few(changed)} of unit {self.label} were modified in "
+                "place while gathered (inside the unit's forward, as nn.Embedding(max_norm=...) "
+                "or a clamp_ on a weight do, or between fshard.unshard and fshard.reshard); "
+                "the change was made to the gathered copy and is dropped now that the unit is "
+                "freed, where DDP would keep it. Modify the shards (p.to_local()) outside the "
+                "forward, or free with fshard.reshard(module, writeback=True).",
+                stacklevel=2,
+            )
 
     def write_back(self, *, check_only: bool = False) -> None:
         """Copy this rank's rows of each gathered parameter into its shard (``reshard``'s
@@ -381,6 +419,8 @@ class ParamGroup:
             if rows.data_ptr() != shard.data_ptr():  # NO_SHARD / one rank: already the shard
                 with torch.no_grad():
                     shard.copy_(rows.reshape(layout.local_shape))
+        if not check_only:
+            self._note_gathered_versions()  # the edits are kept now
 
     def note_forward_versions(self) -> None:
         """Remember the shards' version counters as a forward with grad reads them."""
@@ -427,6 +467,7 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
+        self._warn_on_dropped_edits()
         with phase(f"fshard::reshard({self.trace_name})"):
             for slot in self.slots:
                 slot.use_sharded()

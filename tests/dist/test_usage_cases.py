@@ -932,3 +932,47 @@ def test_an_optimizer_stepping_params_no_unit_owns_warns():
     for how in ("root", "ignored"):
         for messages, _ in get_pool(2).run(_unowned_worker, how):
             assert messages == [], how
+
+
+# ------------------------------------------------------------- edits to gathered copies
+
+
+class _Renormed(nn.Module):
+    """An embedding with max_norm renormalises the rows it looks up, in place, in forward."""
+
+    def __init__(self, max_norm: float | None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4, max_norm=max_norm)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def _dropped_edits_worker(case: str):
+    torch.manual_seed(0)
+    model = _Renormed(max_norm=0.1 if case == "max_norm" else None)
+    fshard.fully_shard(model.embed, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case in ("max_norm", "plain"):
+            model(torch.arange(6).reshape(2, 3)).sum().backward()
+        else:
+            fshard.unshard(model)
+            with torch.no_grad():
+                model.embed.weight.mul_(2.0)  # the gathered copy
+            fshard.reshard(model, writeback=case == "writeback")
+    return [str(w.message) for w in caught if "modified in place while gathered" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["max_norm", "unshard-edit", "writeback", "plain"])
+def test_in_place_edits_to_gathered_params_that_are_dropped_warn(case):
+    """nn.Embedding(max_norm=...) renormalises rows of the gathered copy in its forward, and an
+    edit between unshard and reshard changes the copy: freeing the unit drops the change (DDP
+    keeps it), so fshard warns, naming the parameter. Kept by writeback, or no edit: silent."""
+    for messages in get_pool(2).run(_dropped_edits_worker, case):
+        if case in ("writeback", "plain"):
+            assert messages == []
+        else:
+            assert len(messages) == 1 and "parameters 'embed.weight' of unit 'embed'" in messages[0]
