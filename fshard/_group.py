@@ -215,6 +215,7 @@ class ParamGroup:
         # it in place are lost when the unit is freed ([Note: edits to gathered copies]).
         self._copied_slots = [slot for b in self.buckets if not b.aliased for slot in b.slots]
         self._gathered_versions: list[int] | None = None
+        self._forward_versions = None  # noted per slot: a forward before this has no say
         for slot in self.slots:
             self._ensure_grad_hook(slot)
 
