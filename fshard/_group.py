@@ -158,9 +158,6 @@ class ParamGroup:
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         self.forward_prefetch_default = True
         self.backward_prefetch_default = BackwardPrefetch.BACKWARD_PRE
-        # The shards' version counters when the latest forward with grad read them: a backward
-        # of that forward (or of an older, retained graph) checks them.
-        self._forward_versions: tuple[int, ...] | None = None
         self.reset_backward()
         self.set_slots(slots, locals_)
 
@@ -215,7 +212,10 @@ class ParamGroup:
         # it in place are lost when the unit is freed ([Note: edits to gathered copies]).
         self._copied_slots = [slot for b in self.buckets if not b.aliased for slot in b.slots]
         self._gathered_versions: list[int] | None = None
-        self._forward_versions = None  # noted per slot: a forward before this has no say
+        # The shards' version counters when the latest forward with grad read them: a backward
+        # of that forward (or of an older, retained graph) checks them. Noted per slot, so a
+        # forward before a rebuild has no say.
+        self._forward_versions: tuple[int, ...] | None = None
         for slot in self.slots:
             self._ensure_grad_hook(slot)
 

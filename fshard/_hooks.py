@@ -155,11 +155,11 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
         for param in param_group["params"]:
             if hasattr(param, "_fshard_gathered_of"):
                 gathered.append(repr(param._fshard_gathered_of))
+                continue
             slot = getattr(param, "_fshard_slot", None)
             if slot is None:
-                if param.requires_grad and not hasattr(param, "_fshard_gathered_of"):
-                    if not getattr(param, "_fshard_ignored", False):
-                        unowned.append(str(list(param.shape)))
+                if param.requires_grad and not getattr(param, "_fshard_ignored", False):
+                    unowned.append(str(list(param.shape)))
                 continue
             sharded = True
             data_parallel = max(data_parallel, slot.mesh_info.dp_size)
@@ -656,15 +656,16 @@ def _pre_forward(
         group.note_forward_versions()
     for target in root.forward_targets(group):
         target.unshard(async_op=True)
+    plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common call
     mp = group.mp_policy
     if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+        if plain:
             dtype = mp.param_dtype
             args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
         else:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
-    if torch.is_grad_enabled() and not kwargs and all(type(a) is torch.Tensor for a in args):
-        # Fast path, the common call: plain positional tensors.
+    if torch.is_grad_enabled() and plain:
+        # Fast path: plain positional tensors.
         positions = [i for i, a in enumerate(args) if a.requires_grad]
         if positions:
             group.add_input_waiter()
