@@ -7,11 +7,16 @@ transition runs, this module decides *what* it does.
 A unit's gradients are final when autograd has accumulated every unsharded param that requires
 grad (a post-accumulate-grad hook counts them): every node that used such a param has an edge to
 its accumulator, so none can still need it. Frozen params of the unit may still be needed to
-compute the gradient of the unit's *inputs*, so the unit also waits until the gradients of its
-forward inputs are ready (an identity autograd Function on the inputs) before it frees the
+compute the gradient of the unit's *inputs*, so such a unit also waits until the gradients of
+its forward inputs are ready (an identity autograd Function on the inputs) before it frees the
 gathered params; with frozen params and no input requiring grad, nothing says when they are
 done (a tensor may reach the forward other than as an argument), so the end-of-backward
-callback frees the unit. A unit whose forward ran but whose gradients never all arrive (a
+callback frees the unit. A unit with no frozen params leaves its inputs alone (the identity's
+outputs are views autograd forbids changing in place, which a unit may do to its input under
+DDP), except where a reentrant checkpoint inside its forward ran a nested backward that
+accumulated some of its gradients (a later recompute may still need the params, and their
+count cannot tell): that step keeps the unit until the backward ends, and later steps wait on
+its inputs. A unit whose forward ran but whose gradients never all arrive (a
 parameter left unused this step, an output that reached no loss) is finished by the root's
 end-of-backward callback instead, with zeros standing in for missing gradients so that every
 rank packs the same reduce-scatter.
@@ -158,6 +163,14 @@ class ParamGroup:
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         self.forward_prefetch_default = True
         self.backward_prefetch_default = BackwardPrefetch.BACKWARD_PRE
+        # Learned: this unit's gradients can complete inside a reentrant checkpoint's nested
+        # backward while the outer one still needs its params ([Note: when a unit's backward
+        # is done]), so its forward inputs tell when it is done.
+        self.needs_input_waiter = False
+        # The modules of this unit not inside another unit (built on first use, see _hooks).
+        self.own_modules: list[nn.Module] | None = None
+        # Autograd's sequence number when the latest forward with grad began (see _hooks).
+        self.forward_seq = 0
         self.reset_backward()
         self.set_slots(slots, locals_)
 
@@ -354,6 +367,8 @@ class ParamGroup:
             if unsharded.requires_grad != requires_grad:
                 unsharded.requires_grad_(requires_grad)
             self._ensure_grad_hook(slot)
+            if slot.sharded_param._backward_hooks and requires_grad:
+                _forward_tensor_hooks(slot)
             slot.use_unsharded()
         self._num_grad_params = num_grad_params
         self.unsharded_registered = True
@@ -453,6 +468,12 @@ class ParamGroup:
         """Gathered, but the modules hold the shards (see ``hide_unsharded``)."""
         return self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered
 
+    def gathered_storage_ptrs(self) -> set[int]:
+        """The storages of this unit's gathered copies that freeing it releases."""
+        ptrs = {b.gathered_storage_ptr() for b in self.buckets}
+        ptrs.discard(0)
+        return ptrs
+
     def hide_unsharded(self) -> None:
         """Put the shards back in the modules but keep the gathered storage (which autograd
         saved for backward): outside a forward or backward, ``model.parameters()``, hence
@@ -486,6 +507,8 @@ class ParamGroup:
         self._inputs_ready = 0
         self._reduced = False
         self._freed_in_backward = False
+        self.backward_task: int | None = None  # autograd graph task of its first pre-backward
+        self._nested_grads = False  # some gradient arrived in another (nested) graph task
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
 
     def end_backward(self) -> None:
@@ -508,6 +531,8 @@ class ParamGroup:
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
         self._grads_accumulated += 1
+        if self.backward_task is not None and not self._nested_grads:
+            self._nested_grads = torch._C._current_graph_task_id() != self.backward_task
         root = self.root
         if root is not None:
             root.ensure_final_callback()  # type: ignore[attr-defined]  # RootState, see _hooks
@@ -535,6 +560,12 @@ class ParamGroup:
             # Frozen params, and no forward input requiring grad to tell when they are no
             # longer needed (a tensor that reached the forward another way, an attribute set by
             # the parent, may still need them): the end-of-backward callback frees the unit.
+            return
+        if self._input_waiters == 0 and self._nested_grads:
+            # Gradients from a nested backward (a reentrant checkpoint within the unit's
+            # forward): another recompute may still need the params. Keep them until the
+            # backward ends, and wait on the forward inputs from the next step on.
+            self.needs_input_waiter = True
             return
         self.reshard()
         if not self._freed_in_backward:
@@ -728,6 +759,30 @@ def _used_while_sharded(
 
     hook._fshard_internal = True  # type: ignore[attr-defined]  # not run by _run_user_grad_hooks
     return hook
+
+
+def _forward_tensor_hooks(slot: ParamSlot) -> None:
+    """Make the hooks a user registered on a sharded param with ``register_hook`` run on its
+    gathered copy's gradient, the one autograd computes (full shape, before the reduction, as
+    DDP runs them before its all-reduce): autograd never computes a sharded param's own."""
+    unsharded = slot.unsharded_param
+    if unsharded is None or unsharded.__dict__.get("_fshard_forwards_hooks", False):
+        return
+    unsharded._fshard_forwards_hooks = True  # type: ignore[attr-defined]  # marker on our own tensor
+    sharded_ref = weakref.ref(slot.sharded_param)  # weakly: see _ensure_grad_hook
+
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        sharded = sharded_ref()
+        hooks = sharded._backward_hooks if sharded is not None else None
+        if not hooks:
+            return None
+        for user_hook in list(hooks.values()):
+            changed = user_hook(grad)
+            if changed is not None:
+                grad = changed
+        return grad
+
+    unsharded.register_hook(hook)
 
 
 def _run_user_grad_hooks(param: torch.Tensor) -> None:

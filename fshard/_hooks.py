@@ -654,6 +654,8 @@ def _pre_forward(
     group.unshard()
     if torch.is_grad_enabled():
         group.note_forward_versions()
+        if _SEQUENCE_NR is not None:
+            group.forward_seq = _SEQUENCE_NR()
     for target in root.forward_targets(group):
         target.unshard(async_op=True)
     plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common call
@@ -664,8 +666,15 @@ def _pre_forward(
             args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
         else:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
-    if torch.is_grad_enabled() and plain:
-        # Fast path: plain positional tensors.
+    if not torch.is_grad_enabled() or (
+        group.num_grad_params == len(group.slots) and not group.needs_input_waiter
+    ):
+        # No frozen params: the unit's gradients tell when its backward is done, and its inputs
+        # stay the caller's own tensors (a unit may change them in place, as under DDP).
+        return args, kwargs
+    # Frozen params may still be needed for the inputs' gradients: [Note: when a unit's
+    # backward is done].
+    if plain:
         positions = [i for i, a in enumerate(args) if a.requires_grad]
         if positions:
             group.add_input_waiter()
@@ -674,7 +683,7 @@ def _pre_forward(
             for i, tensor in zip(positions, wrapped, strict=True):
                 new_args[i] = tensor
             args = tuple(new_args)
-    elif torch.is_grad_enabled():
+    else:
         # Arguments, keyword arguments and tuples in them, which a unit cannot change, so
         # giving it new ones is invisible (a tensor passed twice is wrapped once). Not inside
         # lists, dicts, dataclasses or other objects: a unit may write into the caller's
@@ -724,12 +733,27 @@ def _post_forward(
     mp = group.mp_policy
     if mp is not None and mp.output_dtype is not None:
         output = _cast_floating(output, mp.output_dtype)
+    leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
+    gathered = group.gathered_storage_ptrs()
+    if gathered and any(_storage_ptr(t) in gathered for t in leaves):
+        # A view of a gathered param (a row of the weight, weight.t(), the weight itself)
+        # would outlive the memory freeing the unit takes away: return a copy, which autograd
+        # differentiates like the view.
+        output = _map_tensors(lambda t: t.clone() if _storage_ptr(t) in gathered else t, output)
+        leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
     if grad_enabled:
         hook = _UncompiledUnitHook(_pre_backward, group)
-        leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
         for leaf in leaves:
             if leaf.requires_grad:
                 leaf.register_hook(hook)
+        if not keep and _SEQUENCE_NR is not None:
+            # Tensors the forward made and left in module attributes (an MoE's auxiliary loss,
+            # a penalty) may reach the loss without passing the outputs: their backward needs
+            # the params too, and may run first.
+            returned = {id(t) for t in leaves}
+            for tensor in _made_since(_own_modules(group), group.forward_seq):
+                if id(tensor) not in returned:
+                    tensor.register_hook(hook)
         if not leaves and group.may_need_params_in_backward():
             # No tensor returned to hang the re-gather on (the result went into an attribute,
             # or an object fshard cannot look into), yet autograd may have saved the gathered
@@ -748,6 +772,54 @@ def _post_forward(
     return output
 
 
+# The number autograd gives the next node it creates (private; absent, attribute tensors are
+# not looked for): a node made in a unit's forward has at least the number read when it began.
+_SEQUENCE_NR: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (0 where it has none to compare: sparse, meta, ...)."""
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+def _own_modules(group: ParamGroup) -> list[nn.Module]:
+    """The unit's module and those below it that no other unit owns (cached)."""
+    if group.own_modules is None:
+        found, stack = [group.module], list(group.module.children())
+        while stack:
+            module = stack.pop()
+            if _UNIT_ATTR not in module.__dict__:
+                found.append(module)
+                stack.extend(module.children())
+        group.own_modules = found
+    return group.own_modules
+
+
+def _made_since(modules: list[nn.Module], start: int) -> list[torch.Tensor]:
+    """Tensors with autograd history created since sequence number ``start`` that ``modules``
+    hold in attributes, directly or in a public list, tuple or dict attribute."""
+    found: list[torch.Tensor] = []
+    for module in modules:
+        for name, value in module.__dict__.items():
+            if type(value) is torch.Tensor:
+                candidates: Any = (value,)
+            elif type(value) in (list, tuple) and not name.startswith("_"):
+                candidates = value
+            elif type(value) is dict and not name.startswith("_"):
+                candidates = value.values()
+            else:
+                continue
+            for t in candidates:
+                if type(t) is torch.Tensor and t.grad_fn is not None and t.grad_fn._sequence_nr() >= start:
+                    found.append(t)
+    return found
+
+
 def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
     if torch.is_grad_enabled():
@@ -759,6 +831,8 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
             "Higher-order gradients are not supported through sharded units."
         )
     root.ensure_final_callback()
+    if group.backward_task is None:
+        group.backward_task = torch._C._current_graph_task_id()
     if group.training_state is TrainingState.IDLE:
         group.check_unchanged_since_forward()  # the first of its pre-backwards in this pass
     if group.training_state is TrainingState.PRE_BACKWARD and (
@@ -856,6 +930,7 @@ def _lazy_init(group: ParamGroup) -> None:
     state = RootState(group, groups)
     for g in groups:
         g.root = state
+        g.own_modules = None  # units made since may own some of its modules
     logger.debug("fshard: root %s initialised with %d units", group.label, len(groups))
 
 

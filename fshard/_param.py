@@ -295,6 +295,13 @@ class FlatBucket:
             GATHERED.add(nbytes - storage.nbytes())
             storage.resize_(nbytes)
 
+    def gathered_storage_ptr(self) -> int:
+        """Where the unsharded buffer's memory is while gathered (0 if it is the shard's own or
+        not allocated): the storage that ``free_unsharded`` takes away."""
+        if self.aliased or self._unsharded is None:
+            return 0
+        return self._unsharded.untyped_storage().data_ptr()
+
     def free_unsharded(self) -> None:
         if self.aliased or self._unsharded is None:
             return

@@ -1,0 +1,217 @@
+"""Autograd patterns at a unit's edges that plain PyTorch and DDP accept: tensor hooks on
+parameters, a unit returning a view of its own parameter, an auxiliary loss left in a module
+attribute, a unit changing its input in place. Each trains like DDP under fshard."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fshard
+from fshard.testing import get_pool, mesh_for
+from tests.dist.test_usage_cases import _assert_params_equal, _beside_ddp, _sgd, _train_side_by_side
+
+# --------------------------------------------------------------------- tensor hooks on parameters
+
+
+def _mask(grad: torch.Tensor) -> torch.Tensor:
+    keep = torch.zeros_like(grad)
+    keep[::2] = 1  # every other row of the full gradient
+    return grad * keep
+
+
+def _triple(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 3
+
+
+def _never(grad: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a removed hook ran")
+
+
+def _add_hooks(model: nn.Module, calls: list[tuple[int, ...]]) -> None:
+    model[0].weight.register_hook(_mask)
+    model[2].bias.register_hook(_triple)
+    model[2].weight.register_hook(lambda g: calls.append(tuple(g.shape)))  # observes only
+    model[0].bias.register_hook(_never).remove()
+
+
+def _tensor_hooks_worker(mesh_shape: tuple[int, ...], when: str) -> bool:
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+    model = copy.deepcopy(reference)
+    reference_calls: list[tuple[int, ...]] = []
+    calls: list[tuple[int, ...]] = []
+    _add_hooks(reference, reference_calls)
+    if when == "before":
+        _add_hooks(model, calls)
+    mesh = mesh_for(mesh_shape)
+    fshard.fully_shard(model[0], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    if when == "after":
+        _add_hooks(model, calls)
+    ddp = DDP(reference)
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 4), steps=2)
+    _assert_params_equal(model, reference)
+    # The hook saw the full gradient, as under DDP, once per backward.
+    assert calls == reference_calls == [(4, 6)] * 2, (calls, reference_calls)
+    return True
+
+
+@pytest.mark.parametrize("when", ["before", "after"], ids=lambda w: f"{w}-fully_shard")
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_tensor_hooks_on_parameters_equal_ddp(mesh_shape, when):
+    """``p.register_hook`` on a parameter (a gradient mask, a scale) changes the gradient
+    before it is reduced, as under DDP; autograd computes only the gathered copy's gradient,
+    so fshard runs the parameter's hooks there. A removed hook stays removed."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_tensor_hooks_worker, mesh_shape, when))
+
+
+# ------------------------------------------------------------------ views of a unit's parameter
+
+
+class _Exposing(nn.Module):
+    """Returns, beside its output, views of its own weight: a row, the transpose, the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = self.lin.weight
+        return self.lin(x), w[0], w.t(), w
+
+
+class _ExposingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Exposing()
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, row, wt, w = self.block(x)
+        return self.head(h @ wt).pow(2).mean() + row.pow(2).sum() + 0.1 * w.sum()
+
+
+def _param_views_worker(reshard_after_forward: bool) -> bool:
+    ddp, model, reference = _beside_ddp(
+        _ExposingNet, lambda m: [m.block], reshard_after_forward=reshard_after_forward
+    )
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (3, 5), steps=2, loss=lambda m, x: m(x))
+    _assert_params_equal(model, reference)
+    # Held past the backward and read after the unit was freed: still the values returned.
+    x = torch.ones(2, 5)
+    held = model.block(x)
+    model(x).backward()
+    expected = reference.block.lin.weight.detach()
+    torch.testing.assert_close(held[1], expected[0])
+    torch.testing.assert_close(held[2], expected.t())
+    with torch.no_grad():  # and without grad
+        _, row, _, whole = model.block(x)
+    torch.testing.assert_close(row.clone(), expected[0])
+    torch.testing.assert_close(whole.clone(), expected)
+    return True
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+def test_unit_returning_views_of_its_parameters_equals_ddp(reshard_after_forward):
+    """A unit may return a row, the transpose or the whole of its own gathered weight: the
+    caller gets a copy that outlives the unit's freed memory (a view of it would read freed
+    storage, or crash), and gradients through it are DDP's."""
+    assert all(get_pool(2).run(_param_views_worker, reshard_after_forward))
+
+
+# ---------------------------------------------------------- auxiliary losses left in attributes
+
+
+class _Expert(nn.Module):
+    """An MoE-style block: returns its hidden state and leaves its auxiliary losses, computed
+    from its own parameters *after* the output, in attributes for the model to collect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.router = nn.Linear(6, 3)
+        self.aux: torch.Tensor | None = None
+        self.extra_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + torch.tanh(self.lin(x))
+        self.aux = self.router(out).logsumexp(-1).pow(2).mean()  # a z-loss on router logits
+        self.extra_losses = [self.router.weight.pow(2).sum()]  # a penalty, in a list
+        return out
+
+
+class _ExpertNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_Expert() for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        aux = sum(block.aux + 0.1 * block.extra_losses[0] for block in self.blocks)
+        return self.head(h).pow(2).mean() + 0.01 * aux
+
+
+def _aux_worker(mesh_shape: tuple[int, ...]) -> bool:
+    ddp, model, reference = _beside_ddp(_ExpertNet, lambda m: m.blocks, mesh_shape=mesh_shape)
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=3, loss=lambda m, x: m(x))
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_auxiliary_losses_left_in_module_attributes_equal_ddp(mesh_shape):
+    """Autograd may run the backward of a tensor the unit's forward left in an attribute
+    before the unit's outputs get their gradient: fshard gathers the unit for it too."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_aux_worker, mesh_shape))
+
+
+# ------------------------------------------------------------- a unit changing its input in place
+
+
+class _InPlaceFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.act(x))
+
+
+class _InPlaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_InPlaceFirst() for _ in range(2))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) + h  # the residual reads the input the block changed in place
+        return self.head(h)
+
+
+def _in_place_input_worker(mesh_shape: tuple[int, ...]) -> bool:
+    ddp, model, reference = _beside_ddp(_InPlaceNet, lambda m: m.blocks, mesh_shape=mesh_shape)
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=2)
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_unit_changing_its_input_in_place_equals_ddp(mesh_shape):
+    """``nn.ReLU(inplace=True)`` first in a unit changes the caller's tensor, as under DDP:
+    fshard hands a unit without frozen params its inputs untouched."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_in_place_input_worker, mesh_shape))
