@@ -148,8 +148,10 @@ _HINT = (
     "by data-dependent control flow, or a unit whose output reached the loss on only some ranks "
     "(so only they ran its backward). Every rank must run each unit's forward and backward the "
     "same way: where a unit's output is unused on a rank, add 0 * output.sum() to that rank's "
-    "loss. Set FSHARD_DEBUG=1 to turn prefetch off and compare the ranks' collectives after "
-    "every backward."
+    "loss. Where the ranks issue equally many collectives (different units, or another order), "
+    "FSHARD_DEBUG=1 compares them after every backward and names the first difference; where "
+    "one rank issues more (a unit skipped on some ranks, a rank that stopped), the ranks wait "
+    "until this timeout, and the unit named here is the clue."
 )
 
 

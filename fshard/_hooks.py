@@ -393,6 +393,8 @@ class RootState:
     def on_root_pre_forward(self) -> None:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
+        if self.root.training_state is TrainingState.FORWARD:
+            self._recover_from_aborted_forward()
         self.finish_reduces()
         if self.hidden_kept:
             # Units a previous forward kept (hidden) for a backward that has not run, e.g. an
@@ -541,6 +543,21 @@ class RootState:
             group.drop_unsharded_grads()
             group.end_backward()
         self.hidden_kept = False
+
+    def _recover_from_aborted_forward(self) -> None:
+        """The model's last forward raised (an out-of-memory error caught to retry with a
+        smaller batch): free the units it left gathered, those whose forward it was in and
+        those it prefetched, so that this forward starts from the usual memory. None of them
+        has a backward to come: their forwards produced no output."""
+        for group in self.groups:
+            aborted = group.training_state is TrainingState.FORWARD
+            if aborted or (
+                group.sharded_state is not ShardedState.SHARDED and not group.ran_since_backward
+            ):
+                group.reshard()
+            if aborted:
+                group.reset_backward()
+                group.training_state = TrainingState.IDLE
 
     # Order checks -----------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import time
 import uuid
@@ -106,6 +107,13 @@ class CheckpointError(RuntimeError):
 # tensors get a one-key object whose key starts with "__", which plain keys may not use.
 
 
+# What safetensors stores natively; other dtypes go in as their bytes.
+_SAFETENSORS_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16}
+    | {torch.bfloat16, torch.float32, torch.float64, torch.complex64}
+)
+
+
 def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor] | None) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -123,8 +131,18 @@ def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor] | None) -> 
                 }
             }
         name = f"t{len(tensors)}"
-        tensors[name] = t.cpu().contiguous().clone()
-        return {"__tensor__": name, "device": str(t.device)}
+        t = t.cpu().contiguous().clone()
+        if t.dtype in _SAFETENSORS_DTYPES:
+            tensors[name] = t
+            return {"__tensor__": name, "device": str(value.device)}
+        # A dtype safetensors cannot store (complex128): its bytes, and what they were.
+        tensors[name] = t.reshape(-1).view(torch.uint8)
+        return {
+            "__tensor__": name,
+            "device": str(value.device),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
     if isinstance(value, list):
         return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
     if isinstance(value, tuple):
@@ -143,6 +161,13 @@ def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor] | None) -> 
         "holds None, bool, int, float, str, lists, tuples, dicts and torch tensors (convert numpy "
         "arrays with torch.from_numpy, other objects to one of these)"
     )
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"extra state names an unknown dtype {name!r}")
+    return dtype
 
 
 def _device(name: str) -> torch.device:
@@ -170,13 +195,15 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor] | None) -> Any:
         return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
     if len(value) == 1 and "__tensor_inline__" in value:
         spec = value["__tensor_inline__"]
-        dtype = getattr(torch, spec["dtype"])
-        t = torch.tensor(spec["data"], dtype=dtype).reshape(spec["shape"])
+        t = torch.tensor(spec["data"], dtype=_dtype_named(spec["dtype"])).reshape(spec["shape"])
         return t.to(_device(spec["device"]))
-    if set(value) == {"__tensor__", "device"}:
+    if set(value) in ({"__tensor__", "device"}, {"__tensor__", "device", "dtype", "shape"}):
         if tensors is None or value["__tensor__"] not in tensors:
             raise CheckpointError(f"extra state refers to a missing tensor {value['__tensor__']!r}")
-        return tensors[value["__tensor__"]].to(_device(value["device"]))
+        t = tensors[value["__tensor__"]]
+        if "dtype" in value:  # stored as bytes
+            t = t.view(_dtype_named(value["dtype"])).reshape(value["shape"])
+        return t.to(_device(value["device"]))
     return {k: _decode(v, tensors) for k, v in value.items()}
 
 
@@ -274,6 +301,16 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+# The siblings a save leaves while swapping (``<base>.tmp-<token>``, ``<base>.old-<token>``,
+# token: 12 hex digits): only these are fshard's to read back or delete.
+_SWAP_SIBLING = re.compile(r"(?P<base>.+)\.(?:tmp|old)-[0-9a-f]{12}")
+
+
+def _is_swap_sibling(name: str, base: str) -> bool:
+    match = _SWAP_SIBLING.fullmatch(name)
+    return match is not None and match["base"] == base
+
+
 def _resolve(path: str) -> str:
     """``path`` if complete, else the newest complete sibling left by an interrupted swap."""
     if is_complete(path):
@@ -285,7 +322,7 @@ def _resolve(path: str) -> str:
     except FileNotFoundError:
         names = []
     for name in names:
-        if name.startswith(base + ".tmp-") or name.startswith(base + ".old-"):
+        if _is_swap_sibling(name, base):
             full = os.path.join(parent, name)
             if is_complete(full):
                 candidates.append((_read_manifest(full).get("created", 0.0), full))
@@ -614,7 +651,7 @@ def _publish(tmp: str, path: str, token: str) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     for name in os.listdir(parent):  # leftovers of interrupted saves at this path
-        if name.startswith(base + ".tmp-") or name.startswith(base + ".old-"):
+        if _is_swap_sibling(name, base):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
@@ -880,10 +917,8 @@ def latest(root: str | os.PathLike[str]) -> str | None:
         return None
     canonical = set()
     for name in names:
-        for marker in (".tmp-", ".old-"):
-            if marker in name:
-                name = name.split(marker)[0]
-        canonical.add(name)
+        match = _SWAP_SIBLING.fullmatch(name)
+        canonical.add(match["base"] if match is not None else name)
     best: tuple[float, str] | None = None
     for name in canonical:
         path = os.path.join(root, name)

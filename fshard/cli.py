@@ -435,9 +435,13 @@ def _chmod_like_a_new_file(path: Path) -> None:
 
 def _run_consolidate(args: argparse.Namespace) -> int:
     output = Path(args.output)
+    if output.is_dir():
+        _error(f"consolidate: {str(output)!r} is a directory; give the path of the file to write")
+        return 2
     if output.exists() and not args.force:
         _error(f"consolidate: {str(output)!r} exists; pass --force to overwrite it")
         return 2
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from fshard.checkpoint import CheckpointError, consolidate
@@ -449,8 +453,12 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         _error(f"consolidate: {exc}{_newest_inside_hint(args.checkpoint)}")
         return 2
     tensors = _for_safetensors(full)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output), metadata={"format": "pt"})
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(output), metadata={"format": "pt"})
+    except (OSError, SafetensorError) as exc:
+        _error(f"consolidate: cannot write {str(output)!r}: {exc}")
+        return 2
     _chmod_like_a_new_file(output)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({nbytes / 2**20:.1f} MiB) to {output}")

@@ -320,6 +320,15 @@ def _entry_key(path: PathKey, layout: Layout) -> tuple[str | None, bool]:
     return None, False
 
 
+def _lookup_paths(tree: Any, paths: list[PathKey]) -> list[PathKey]:
+    """The paths to look layout keys up by: in an optimizer state dict a parameter's state sits
+    at ``("state", name, ...)``, so ``name`` decides, even where the model also has a key called
+    ``state`` or ``param_groups``."""
+    if not _is_optim_state_dict(tree):
+        return paths
+    return [p[1:] if p[:1] == ("state",) else () for p in paths]
+
+
 def _path_str(path: PathKey) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
@@ -443,7 +452,8 @@ def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
     coord = _check_coord(coord, layout.mesh_shape, "transforms.shard")
     paths, leaves, spec = _flatten(full_sd)
     problems = ProblemList("transforms.shard")
-    out = [_shard_leaf(p, leaf, layout, coord, problems) for p, leaf in zip(paths, leaves, strict=True)]
+    lookup = _lookup_paths(full_sd, paths)
+    out = [_shard_leaf(p, leaf, layout, coord, problems) for p, leaf in zip(lookup, leaves, strict=True)]
     problems.raise_if_any(ValueError, hint="Pass a full state dict of the model the layout came from.")
     return optree.tree_unflatten(spec, out)
 
@@ -463,9 +473,10 @@ def unshard(local_sds_by_coord: Mapping[Coord, Any], layout: Layout) -> Any:
         local_sds_by_coord, layout.mesh_shape, "transforms.unshard"
     )
     problems = ProblemList("transforms.unshard")
+    lookup = _lookup_paths(next(iter(local_sds_by_coord.values())), paths)
     out = [
         _unshard_leaf(path, {c: leaves[c][i] for c in coords}, layout, problems)
-        for i, path in enumerate(paths)
+        for i, path in enumerate(lookup)
     ]
     problems.raise_if_any(ValueError)
     return optree.tree_unflatten(spec, out)
@@ -493,7 +504,7 @@ def reshard(
     new_coords = new_layout.coords()
     problems = ProblemList("transforms.reshard")
     out: dict[Coord, list[Any]] = {c: [] for c in new_coords}
-    for i, path in enumerate(paths):
+    for i, path in enumerate(_lookup_paths(next(iter(local_sds_by_coord.values())), paths)):
         full = _unshard_leaf(path, {c: leaves[c][i] for c in coords}, old_layout, problems)
         for c in new_coords:
             piece = _shard_leaf(path, full, new_layout, c, problems)

@@ -34,6 +34,9 @@ def _extra(rank: int, step: int) -> dict:
         "rng": gen.get_state(),
         "loader": {"epoch": 1, "position": (3, 4), "order": [2, 0, 1], "done": None, "lr": 0.5},
         "counts": {7: "seven"},
+        # safetensors has no complex128: stored as its bytes, back as it was (0-d too).
+        "phase": torch.tensor([1 + 2j, -0.5j + rank], dtype=torch.complex128),
+        "angle": torch.tensor(3 + 4j, dtype=torch.complex128),
     }
 
 
@@ -62,6 +65,8 @@ def _resume_task(path, mesh_shape):
     assert torch.equal(extra["rng"], want["rng"]) and extra["rng"].dtype == torch.uint8
     assert extra["loader"] == want["loader"] and isinstance(extra["loader"]["position"], tuple)
     assert extra["counts"] == {7: "seven"}
+    for key in ("phase", "angle"):
+        assert extra[key].dtype == torch.complex128 and torch.equal(extra[key], want[key]), key
     loaded = C.full_params(model), fshard.optim_state_dict(model, opt, full=True)
     C.train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
     return loaded, C.full_params(model)
@@ -156,6 +161,19 @@ def test_fshard_consolidate_command_writes_a_loadable_safetensors_file(saved_2x2
     C.assert_same_tensors(dict(unsharded.state_dict()), params, what="via the command line")
 
 
+def test_fshard_consolidate_output_problems_are_one_line_errors(saved_2x2, tmp_path, capsys):
+    from fshard.cli import main
+
+    path = saved_2x2[0]
+    assert main(["consolidate", path, str(tmp_path), "--force"]) == 2
+    assert f"{str(tmp_path)!r} is a directory; give the path of the file" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["consolidate", path, str(blocker / "model.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fshard consolidate: cannot write") and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------- atomicity
 
 
@@ -203,6 +221,20 @@ def test_latest_skips_incomplete_checkpoints(tmp_path):
     (tmp_path / "step-3.tmp-abc").mkdir()
     assert ckpt.latest(tmp_path) == str(tmp_path / "step-1")
     assert ckpt.latest(tmp_path / "nothing-here") is None
+
+
+def test_a_save_removes_only_its_own_leftovers(tmp_path):
+    """A save deletes what interrupted saves at its path left (``<path>.tmp-<12 hex>``), not a
+    user's directory whose name merely starts the same way."""
+    path = tmp_path / "ckpt"
+    mine = [tmp_path / "ckpt.old-run1", tmp_path / "ckpt.tmp-notes", tmp_path / "ckpt.old-0123456789abX"]
+    for directory in mine:
+        directory.mkdir()
+        (directory / "keep.txt").write_text("user data")
+    (tmp_path / "ckpt.tmp-0123456789ab").mkdir()  # an interrupted save's
+    get_pool(1).run(_save_only_task, str(path))
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *(d.name for d in mine)])
+    assert all((d / "keep.txt").read_text() == "user data" for d in mine)
 
 
 # ---------------------------------------------------------------------- corruption and keys

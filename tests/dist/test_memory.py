@@ -115,3 +115,52 @@ def _model_is_freed_worker():
 def test_a_sharded_model_is_freed_when_dropped():
     # fshard keeps no global reference to a model (units live on their modules).
     assert get_pool(2).run(_model_is_freed_worker) == [True, True]
+
+
+class _MayFail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return torch.tanh(self.lin(x))
+
+
+def _retry_worker(how: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MayFail() for _ in range(4)))
+    for block in model:
+        fshard.fully_shard(block, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    peaks, after = [], []
+    for step in range(4):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(step))
+        fshard.reset_peak_memory_stats()
+        if step == 2:
+            if how == "raise":  # a unit's forward raises; the caller catches it and goes on
+                model[1].fail = True
+                with contextlib.suppress(RuntimeError):
+                    model(x)
+                model[1].fail = False
+            else:  # a forward with grad whose backward never runs (a NaN loss skipped)
+                model(x).sum()
+            continue
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        peaks.append(fshard.memory_stats().peak_gathered_bytes)
+        after.append(fshard.memory_stats().gathered_bytes)
+    return peaks, after
+
+
+@pytest.mark.parametrize("how", ["raise", "no-backward"])
+def test_the_step_after_an_abandoned_forward_uses_the_usual_memory(how):
+    """A forward that raised (an out-of-memory error caught to retry smaller) or whose backward
+    never ran leaves nothing gathered that the next step would hold on top of its own."""
+    for peaks, after in get_pool(2).run(_retry_worker, how):
+        assert peaks[1] == peaks[2] == peaks[0] > 0, peaks  # steps 0, 1 and 3
+        assert after == [0, 0, 0], after

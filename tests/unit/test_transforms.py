@@ -202,6 +202,35 @@ def test_mixed_mesh_entry_is_addressed_by_flat_index():
     _assert_tree_equal(T.unshard(locals_, layout), full)
 
 
+@pytest.mark.parametrize("name", ["state", "param_groups"])
+def test_optimizer_state_follows_its_parameter_when_a_model_key_is_named_state(name):
+    """An optimizer state dict keeps a parameter's state at ("state", param, ...): the param
+    decides how it is cut, not a model buffer that happens to be called "state"."""
+    layout = T.Layout(
+        (2,),
+        {
+            name: T.TensorLayout((3,), "float32", (2,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    full = {
+        "state": {"w": {"exp_avg": torch.arange(8.0).view(4, 2), "step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+    }
+    locals_ = _all_locals(full, layout)
+    assert locals_[(1,)]["state"]["w"]["exp_avg"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    assert locals_[(1,)]["state"]["w"]["step"].item() == 3.0
+    _assert_tree_equal(T.unshard(locals_, layout), full)
+    new = T.Layout(
+        (1,),
+        {
+            name: T.TensorLayout((3,), "float32", (1,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (1,), ("S(0)",)),
+        },
+    )
+    _assert_tree_equal(T.reshard(locals_, layout, new)[(0,)], full)
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
