@@ -1,6 +1,7 @@
 # Quick start: `make demo` (train a small GPT on 4 CPU ranks next to DDP) and `make test`.
-# Each target sets up .venv on a fresh machine first. torch is pinned to the local CPU build
-# here (and only here) so that set-up never pulls a multi-gigabyte CUDA build.
+# Each target sets up .venv on a fresh machine first. torch is pinned to 2.13.0 here (and only
+# here): pip takes the local CPU build where one is on disk (our CI machines); elsewhere PyPI's
+# Linux wheel is the CUDA build, so install torch from the CPU index into .venv first (README).
 
 PYTHON ?= python3
 VENV   := .venv
