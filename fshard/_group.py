@@ -157,6 +157,10 @@ class ParamGroup:
         # Sharded partial sums awaiting the cross-replica all-reduce (HSDP, reduce_scatter=True).
         self._partials: dict[int, _Reduced] = {}
         self._grad_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # All-gather outputs issued and not yet waited for: a unit collected with some (its
+        # model dropped after a forward raised) takes them out of the gathered-bytes count.
+        self._in_flight_bytes = [0]
+        weakref.finalize(self, _forget_in_flight, self._in_flight_bytes)
         self.root: object | None = None  # the RootState of the tree, set at root init
         # set_prefetch overrides; None means the recorded order decides.
         self.explicit_forward_prefetch: list[ParamGroup] | None = None
@@ -319,7 +323,9 @@ class ParamGroup:
                 all_gather_output = torch.empty(
                     size * bucket.total, dtype=all_gather_input.dtype, device=all_gather_input.device
                 )
-                GATHERED.add(all_gather_output.numel() * all_gather_output.element_size())
+                nbytes = all_gather_output.numel() * all_gather_output.element_size()
+                GATHERED.add(nbytes)
+                self._in_flight_bytes[0] += nbytes
                 work = _collectives.all_gather_into(
                     all_gather_output,
                     all_gather_input,
@@ -349,7 +355,9 @@ class ParamGroup:
                 bucket.alloc_unsharded()
                 bucket.copy_out(all_gather_output)
                 if self.mesh_info.shard_size > 1:  # size 1 gathers nothing: no output buffer
-                    GATHERED.sub(all_gather_output.numel() * all_gather_output.element_size())
+                    nbytes = all_gather_output.numel() * all_gather_output.element_size()
+                    GATHERED.sub(nbytes)
+                    self._in_flight_bytes[0] -= nbytes
             self._pending_gather = []
             self._register_unsharded()
             self._note_gathered_versions()
@@ -544,6 +552,10 @@ class ParamGroup:
         if self._reduced:
             return
         self._reduced = True
+        # Free the gathered params first if nothing else needs them, so that the reduce's
+        # full-size input does not coexist with them (the backward's peak: gathered params,
+        # their gradients, the reduce input and the next unit's prefetched all-gather).
+        self._maybe_finish_backward()
         with phase(f"fshard::post_backward({self.trace_name})"):
             if self.requires_gradient_sync or self.reduce_scatter_while_accumulating:
                 self.reduce_grads()
@@ -728,6 +740,10 @@ def _summed_grad(slot: ParamSlot) -> torch.Tensor | None:
     if accumulated is None:
         return grad
     return accumulated if grad is None else accumulated.add_(grad)
+
+
+def _forget_in_flight(in_flight_bytes: list[int]) -> None:
+    GATHERED.sub(in_flight_bytes[0])
 
 
 def _used_while_sharded(

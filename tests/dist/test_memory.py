@@ -164,3 +164,61 @@ def test_the_step_after_an_abandoned_forward_uses_the_usual_memory(how):
     for peaks, after in get_pool(2).run(_retry_worker, how):
         assert peaks[1] == peaks[2] == peaks[0] > 0, peaks  # steps 0, 1 and 3
         assert after == [0, 0, 0], after
+
+
+def _dropped_after_a_failed_forward_worker():
+    import gc
+    import weakref
+
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    rank = dist.get_rank()
+    compute_loss(SPEC, model, make_batch(SPEC, 0, rank)).backward()  # later forwards prefetch
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    model.blocks[0].forward = fail  # raises with the next unit's gather in flight
+    with contextlib.suppress(RuntimeError):
+        compute_loss(SPEC, model, make_batch(SPEC, 1, rank))
+    del model.blocks[0].forward
+    during = fshard.memory_stats().gathered_bytes
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    return during, ref() is None, fshard.memory_stats().gathered_bytes
+
+
+def test_dropping_a_model_after_a_failed_forward_clears_the_gathered_count():
+    for during, freed, after in get_pool(2).run(_dropped_after_a_failed_forward_worker):
+        assert during > 0 and freed and after == 0, (during, freed, after)
+
+
+def _freed_before_reduce_worker():
+    from fshard.testing import trace_collectives
+
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    fshard.set_prefetch(model, forward=False, backward="NO_PREFETCH")
+    rank = dist.get_rank()
+    loss = compute_loss(SPEC, model, make_batch(SPEC, 0, rank))
+    root_only = fshard.memory_stats().gathered_bytes  # the root keeps its params for backward
+    at_reduce = {}
+
+    def sample(record):
+        if record.op == "reduce_scatter":
+            at_reduce[record.label] = fshard.memory_stats().gathered_bytes
+
+    with trace_collectives(sample):
+        loss.backward()
+    return root_only, at_reduce
+
+
+def test_a_unit_is_freed_before_its_gradients_are_reduced():
+    """A unit's gathered params go before the reduce-scatter's full-size input comes: the
+    backward's peak holds one of the two, not both."""
+    for root_only, at_reduce in get_pool(2).run(_freed_before_reduce_worker):
+        blocks = {label: held for label, held in at_reduce.items() if label.startswith("blocks.")}
+        assert len(blocks) == SPEC.layers and root_only > 0
+        assert all(held == root_only for held in blocks.values()), (root_only, at_reduce)
+        assert at_reduce["<root>"] == 0, at_reduce
