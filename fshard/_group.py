@@ -511,8 +511,10 @@ class ParamGroup:
     def reset_backward(self) -> None:
         """Forget this backward pass's bookkeeping (end of backward, or a fresh forward)."""
         self._grads_accumulated = 0
-        self._input_waiters = 0
-        self._inputs_ready = 0
+        # One token per forward whose inputs' gradients this unit waits for, held by that
+        # forward's graph: a forward whose backward never comes (an evaluation with grad, a
+        # skipped step) drops its token with its graph instead of holding the unit gathered.
+        self._waiters: weakref.WeakSet[InputWaiter] = weakref.WeakSet()
         self._reduced = False
         self._freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
@@ -528,13 +530,15 @@ class ParamGroup:
     def may_need_params_in_backward(self) -> bool:
         """Whether this step's backward may read the gathered params (they need grad, or a
         forward input did)."""
-        return self._num_grad_params > 0 or self._input_waiters > 0
+        return self._num_grad_params > 0 or len(self._waiters) > 0
 
-    def add_input_waiter(self) -> None:
-        self._input_waiters += 1
+    def add_input_waiter(self) -> InputWaiter:
+        waiter = InputWaiter()
+        self._waiters.add(waiter)
+        return waiter
 
-    def on_inputs_grad_ready(self) -> None:
-        self._inputs_ready += 1
+    def on_inputs_grad_ready(self, waiter: InputWaiter) -> None:
+        waiter.ready = True
         self._maybe_finish_backward()
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
@@ -566,14 +570,15 @@ class ParamGroup:
 
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
-        if not grads_done or self._inputs_ready < self._input_waiters:
+        waiting = len(self._waiters) > 0
+        if not grads_done or (waiting and not all(w.ready for w in self._waiters)):
             return
-        if self._input_waiters == 0 and self.num_grad_params < len(self.slots):
+        if not waiting and self.num_grad_params < len(self.slots):
             # Frozen params, and no forward input requiring grad to tell when they are no
             # longer needed (a tensor that reached the forward another way, an attribute set by
             # the parent, may still need them): the end-of-backward callback frees the unit.
             return
-        if self._input_waiters == 0 and self._nested_grads:
+        if not waiting and self._nested_grads:
             # Gradients from a nested backward (a reentrant checkpoint within the unit's
             # forward): another recompute may still need the params. Keep them until the
             # backward ends, and wait on the forward inputs from the next step on.
@@ -740,6 +745,15 @@ def _summed_grad(slot: ParamSlot) -> torch.Tensor | None:
     if accumulated is None:
         return grad
     return accumulated if grad is None else accumulated.add_(grad)
+
+
+class InputWaiter:
+    """One forward's claim on a unit: its inputs' gradients are not all computed yet."""
+
+    __slots__ = ("__weakref__", "ready")
+
+    def __init__(self) -> None:
+        self.ready = False
 
 
 def _forget_in_flight(in_flight_bytes: list[int]) -> None:

@@ -598,11 +598,12 @@ class _InputsGradReady(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        ctx.waiter = group.add_input_waiter()  # lives as long as this graph
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.on_inputs_grad_ready()
+        ctx.group.on_inputs_grad_ready(ctx.waiter)
         return (None, *grads)
 
 
@@ -694,7 +695,6 @@ def _pre_forward(
     if plain:
         positions = [i for i, a in enumerate(args) if a.requires_grad]
         if positions:
-            group.add_input_waiter()
             wrapped = _InputsGradReady.apply(group, *(args[i] for i in positions))
             new_args = list(args)
             for i, tensor in zip(positions, wrapped, strict=True):
@@ -712,7 +712,6 @@ def _pre_forward(
             lambda t: needing.setdefault(id(t), t) if t.requires_grad else t,
         )
         if needing:
-            group.add_input_waiter()
             wrapped = _InputsGradReady.apply(group, *needing.values())
             by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
             args = _in_tuples(args, lambda t: by_id.get(id(t), t))

@@ -129,10 +129,13 @@ class _MayFail(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def _retry_worker(how: str):
+def _retry_worker(how: str, frozen: bool = False):
     torch.manual_seed(0)
-    model = nn.Sequential(*(_MayFail() for _ in range(4)))
-    for block in model:
+    model = nn.Sequential(nn.Linear(16, 16), *(_MayFail() for _ in range(4)))
+    if frozen:  # LoRA-like: the blocks' weights frozen, their biases trained
+        for block in model[1:]:
+            block.lin.weight.requires_grad_(False)
+    for block in model[1:]:
         fshard.fully_shard(block, mesh=mesh_for((2,)))
     fshard.fully_shard(model, mesh=mesh_for((2,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -142,10 +145,10 @@ def _retry_worker(how: str):
         fshard.reset_peak_memory_stats()
         if step == 2:
             if how == "raise":  # a unit's forward raises; the caller catches it and goes on
-                model[1].fail = True
+                model[2].fail = True
                 with contextlib.suppress(RuntimeError):
                     model(x)
-                model[1].fail = False
+                model[2].fail = False
             else:  # a forward with grad whose backward never runs (a NaN loss skipped)
                 model(x).sum()
             continue
@@ -157,11 +160,13 @@ def _retry_worker(how: str):
     return peaks, after
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weights"])
 @pytest.mark.parametrize("how", ["raise", "no-backward"])
-def test_the_step_after_an_abandoned_forward_uses_the_usual_memory(how):
+def test_the_step_after_an_abandoned_forward_uses_the_usual_memory(how, frozen):
     """A forward that raised (an out-of-memory error caught to retry smaller) or whose backward
-    never ran leaves nothing gathered that the next step would hold on top of its own."""
-    for peaks, after in get_pool(2).run(_retry_worker, how):
+    never ran leaves nothing gathered that the next step would hold on top of its own, also
+    for units with frozen weights (which wait on their inputs' gradients)."""
+    for peaks, after in get_pool(2).run(_retry_worker, how, frozen):
         assert peaks[1] == peaks[2] == peaks[0] > 0, peaks  # steps 0, 1 and 3
         assert after == [0, 0, 0], after
 
