@@ -173,6 +173,8 @@ class ParamGroup:
         self.needs_input_waiter = False
         # The modules of this unit not inside another unit (built on first use, see _hooks).
         self.own_modules: list[nn.Module] | None = None
+        # Modules of this unit called from outside its forward, being run as its forward now.
+        self.outside_calls: list[nn.Module] = []
         # Autograd's sequence number when the latest forward with grad began (see _hooks).
         self.forward_seq = 0
         self.reset_backward()

@@ -289,6 +289,59 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
     # as they are when called (fshard swaps them), requiring use_orig_params for FSDP1.
     module.__dict__["_is_fsdp_managed_module"] = True
     module.__dict__["_fsdp_use_orig_params"] = True
+    hook_containers(group)
+
+
+# [Note: calls into a unit from outside its forward]
+# A unit gathers its parameters when its own forward runs. Code that calls a part of it directly
+# (transformers' generate runs ``model.get_encoder()(...)`` on an encoder-decoder, whose
+# embedding and final norm the root unit owns) would compute with this rank's shards. The
+# modules of a unit that contain other units (encoder and decoder stacks) are the usual entry
+# points, and there are few of them: each gets hooks that, outside the unit's forward, run the
+# call as a forward of the unit. Leaf modules (an embedding called on its own) get none, so the
+# unit's own blocks stay hook-free and compilable.
+_CONTAINER_ATTR = "_fshard_container_of"
+
+
+def hook_containers(group: ParamGroup) -> None:
+    """Hook the modules below ``group``'s module that hold units but are none (idempotent)."""
+    stack = list(group.module.children())
+    while stack:
+        module = stack.pop()
+        if _UNIT_ATTR in module.__dict__:
+            continue
+        children = list(module.children())
+        if module.__dict__.get(_CONTAINER_ATTR) is None and any(
+            _UNIT_ATTR in m.__dict__ for m in module.modules()
+        ):
+            module.__dict__[_CONTAINER_ATTR] = weakref.ref(group)
+            module.register_forward_pre_hook(
+                _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
+            )
+            module.register_forward_hook(
+                _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
+            )
+        stack.extend(children)
+
+
+def _container_pre_forward(
+    group: ParamGroup, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if group.training_state is not TrainingState.IDLE:
+        return None  # inside the unit's forward or backward: its own hooks gathered it
+    if in_backward():
+        return _pre_forward(group, module, args, kwargs)  # a checkpoint's recompute: gather
+    group.outside_calls.append(module)
+    return _pre_forward(group, module, args, kwargs)
+
+
+def _container_post_forward(
+    group: ParamGroup, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    if not group.outside_calls or group.outside_calls[-1] is not module:
+        return None
+    group.outside_calls.pop()
+    return _post_forward(group, module, args, kwargs, output)
 
 
 def _state_dict_post(
@@ -550,6 +603,7 @@ class RootState:
         those it prefetched, so that this forward starts from the usual memory. None of them
         has a backward to come: their forwards produced no output."""
         for group in self.groups:
+            group.outside_calls.clear()
             aborted = group.training_state is TrainingState.FORWARD
             if aborted or (
                 group.sharded_state is not ShardedState.SHARDED and not group.ran_since_backward
@@ -947,6 +1001,7 @@ def _lazy_init(group: ParamGroup) -> None:
     for g in groups:
         g.root = state
         g.own_modules = None  # units made since may own some of its modules
+        hook_containers(g)  # units made after it: see [Note: calls into a unit from outside its forward]
     logger.debug("fshard: root %s initialised with %d units", group.label, len(groups))
 
 

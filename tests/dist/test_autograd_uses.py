@@ -215,3 +215,76 @@ def test_unit_changing_its_input_in_place_equals_ddp(mesh_shape):
     """``nn.ReLU(inplace=True)`` first in a unit changes the caller's tensor, as under DDP:
     fshard hands a unit without frozen params its inputs untouched."""
     assert all(get_pool(math.prod(mesh_shape)).run(_in_place_input_worker, mesh_shape))
+
+
+# ------------------------------------------------------- calling a part of the model on its own
+
+
+class _Stack(nn.Module):
+    """An encoder or decoder: blocks (units) between layers the root unit owns."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed  # shared with the other stack, owned by the root unit
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(ids)
+        if memory is not None:
+            h = h + memory.mean(dim=1, keepdim=True)
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h)
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(11, 6)
+        self.encoder = _Stack(self.shared)
+        self.decoder = _Stack(self.shared)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(tgt, self.encoder(src)))
+
+
+def _outside_calls_worker() -> bool:
+    torch.manual_seed(0)
+    reference = _EncoderDecoder()
+    model = copy.deepcopy(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for stack in (model.encoder, model.decoder):
+        for block in stack.blocks:
+            fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    src, tgt = torch.randint(0, 11, (2, 5), generator=gen), torch.randint(0, 11, (2, 4), generator=gen)
+    with torch.no_grad():  # what generate does: the encoder first, on its own
+        torch.testing.assert_close(model.encoder(src), reference.encoder(src))
+    opts = _sgd(reference, model)
+    for _ in range(2):
+        for m in (reference, model):  # a training loop calling the stacks itself
+            memory = m.encoder(src)
+            m.decoder(tgt, memory).pow(2).mean().backward()
+        for p in reference.parameters():  # as DDP would average (the head is unused here)
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, tgt), reference(src, tgt))
+        torch.testing.assert_close(model.decoder(tgt, model.encoder(src)), reference.decoder(tgt, reference.encoder(src)))
+    assert fshard.memory_stats().gathered_bytes == 0
+    return True
+
+
+def test_calling_a_stack_of_units_on_its_own_equals_the_plain_model():
+    """transformers' generate calls ``model.get_encoder()(...)`` outside the model's forward,
+    and training loops call an encoder and a decoder in turn: the root unit's layers they use
+    (a shared embedding, a final norm) are gathered for such a call as for the model's forward."""
+    assert all(get_pool(2).run(_outside_calls_worker))

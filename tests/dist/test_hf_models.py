@@ -61,3 +61,32 @@ def test_generate_with_ranks_finishing_at_different_steps():
         pool.close()
     assert [managed for managed, _ in results] == [True, True]
     assert [length for _, length in results] == [3 + 1, 3 + 3]
+
+
+def _encoder_decoder_generate_worker():
+    import copy
+
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    reference = copy.deepcopy(model)
+    fshard.auto_shard(model, policy=fshard.by_class(T5Block), mesh=mesh_for((2,)))
+    ids = torch.randint(1, 32, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        expected = reference.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    return torch.equal(out, expected)
+
+
+def test_encoder_decoder_generate_with_one_unit_per_block():
+    """T5's generate runs ``model.get_encoder()(...)`` first, outside the model's forward; the
+    root unit's shared embedding and final norms are gathered for it."""
+    pool = RankPool(2, timeout=120, pg_timeout=20)
+    try:
+        assert pool.run(_encoder_decoder_generate_worker) == [True, True]
+    finally:
+        pool.close()
