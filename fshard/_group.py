@@ -4,22 +4,23 @@ Control flows state -> group -> bucket/slot; the hooks in ``_hooks`` decide *whe
 transition runs, this module decides *what* it does.
 
 [Note: when a unit's backward is done]
-A unit's gradients are final when autograd has accumulated every unsharded param that requires
-grad (a post-accumulate-grad hook counts them): every node that used such a param has an edge to
-its accumulator, so none can still need it. Frozen params of the unit may still be needed to
-compute the gradient of the unit's *inputs*, so such a unit also waits until the gradients of
-its forward inputs are ready (an identity autograd Function on the inputs) before it frees the
-gathered params; with frozen params and no input requiring grad, nothing says when they are
-done (a tensor may reach the forward other than as an argument), so the end-of-backward
-callback frees the unit. A unit with no frozen params leaves its inputs alone (the identity's
-outputs are views autograd forbids changing in place, which a unit may do to its input under
-DDP), except where a reentrant checkpoint inside its forward ran a nested backward that
-accumulated some of its gradients (a later recompute may still need the params, and their
-count cannot tell): that step keeps the unit until the backward ends, and later steps wait on
-its inputs. A unit whose forward ran but whose gradients never all arrive (a
-parameter left unused this step, an output that reached no loss) is finished by the root's
-end-of-backward callback instead, with zeros standing in for missing gradients so that every
-rank packs the same reduce-scatter.
+A unit's backward is done when the gradients of its forward inputs are ready: an identity
+autograd Function on the inputs says so, at the same point of the backward on every rank
+(every node of the unit that reads its params leads to the inputs, detached uses of a weight
+included). Then the unit is freed and its gradients reduced, in that order, so the reduce's
+full-size input never coexists with the gathered params. Counting arrived gradients would not
+do: a param used on some ranks only (an expert the router skipped here) leaves the count short
+on those ranks, which would reduce later than the others and pair the wrong collectives. A unit
+with no input requiring grad (the first one) is done when every param that requires grad has
+its gradient (a post-accumulate-grad hook counts them), or, with frozen params and no such
+input (nothing says when they are no longer needed: a tensor may reach the forward other than
+as an argument), when the backward ends. So is a unit whose reentrant checkpoint ran a nested
+backward while it had no such input (another recompute may still need its params). A unit
+whose forward ran but whose backward never finished (a parameter left unused this step, an
+output that reached no loss) is finished by the root's end-of-backward callback instead, with
+zeros standing in for missing gradients so that every rank packs the same reduce-scatter; so
+are gradients that arrive after a unit was reduced. The identity's outputs are views that
+autograd forbids changing in place: a unit must not change its input in place.
 """
 
 from __future__ import annotations
@@ -541,6 +542,8 @@ class ParamGroup:
 
     def on_inputs_grad_ready(self, waiter: InputWaiter) -> None:
         waiter.ready = True
+        if all(w.ready for w in self._waiters):
+            self.post_backward()
         self._maybe_finish_backward()
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
@@ -550,11 +553,15 @@ class ParamGroup:
         root = self.root
         if root is not None:
             root.ensure_final_callback()  # type: ignore[attr-defined]  # RootState, see _hooks
-        if self._grads_accumulated == self.num_grad_params:
+        if self._grads_accumulated == self.num_grad_params and not self._waiters:
             self.post_backward()
 
     def post_backward(self) -> None:
-        """All of this unit's gradients arrived: reduce them (unless accumulating)."""
+        """This unit's backward is done: free it and reduce its gradients (unless accumulating).
+
+        Done when its forward inputs' gradients are ready, the same moment on every rank (a
+        count of arrived gradients is not: an expert routed to on some ranks only), or, for a
+        unit without such inputs, when all its gradients arrived."""
         if self._reduced:
             return
         self._reduced = True
@@ -808,11 +815,13 @@ def _forward_tensor_hooks(slot: ParamSlot) -> None:
         hooks = sharded._backward_hooks if sharded is not None else None
         if not hooks:
             return None
+        dtype = grad.dtype
         for user_hook in list(hooks.values()):
             changed = user_hook(grad)
             if changed is not None:
                 grad = changed
-        return grad
+        # A hook may promote (an fp32 mask on a bf16 gradient under MixedPrecision).
+        return grad if grad.dtype == dtype else grad.to(dtype)
 
     unsharded.register_hook(hook)
 

@@ -281,6 +281,7 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
         _UncompiledUnitHook(_pre_forward, group), prepend=True, with_kwargs=True
     )
     module.register_forward_hook(_UncompiledUnitHook(_post_forward, group), prepend=False, with_kwargs=True)
+    module.register_forward_hook(_UncompiledUnitHook(_after_forward, group), always_call=True)
     # See [Note: model.state_dict() on a sharded model] in _state_dict.
     module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
     module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
@@ -322,6 +323,16 @@ def hook_containers(group: ParamGroup) -> None:
                 _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
             )
         stack.extend(children)
+
+
+def _after_forward(group: ParamGroup, module: nn.Module, args: Any, output: Any) -> None:
+    """Runs even when the forward raised: the root's forward raising (an out-of-memory error
+    caught to retry smaller) frees what it left gathered at once, so that the modules show
+    their shards again before an optimizer step, a state dict or a checkpoint load."""
+    root = group.root
+    if isinstance(root, RootState) and root.root is group and group.training_state is TrainingState.FORWARD:
+        if not in_backward():
+            root.recover_from_aborted_forward()
 
 
 def _container_pre_forward(
@@ -447,7 +458,7 @@ class RootState:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
         if self.root.training_state is TrainingState.FORWARD:
-            self._recover_from_aborted_forward()
+            self.recover_from_aborted_forward()
         self.finish_reduces()
         if self.hidden_kept:
             # Units a previous forward kept (hidden) for a backward that has not run, e.g. an
@@ -597,7 +608,7 @@ class RootState:
             group.end_backward()
         self.hidden_kept = False
 
-    def _recover_from_aborted_forward(self) -> None:
+    def recover_from_aborted_forward(self) -> None:
         """The model's last forward raised (an out-of-memory error caught to retry with a
         smaller batch): free the units it left gathered, those whose forward it was in and
         those it prefetched, so that this forward starts from the usual memory. None of them
@@ -605,9 +616,10 @@ class RootState:
         for group in self.groups:
             group.outside_calls.clear()
             aborted = group.training_state is TrainingState.FORWARD
-            if aborted or (
-                group.sharded_state is not ShardedState.SHARDED and not group.ran_since_backward
-            ):
+            if group.training_state in (TrainingState.FORWARD, TrainingState.IDLE):
+                # Also units kept from their forward (reshard_after_forward=False): an optimizer
+                # step may follow, and their copy would be stale. A backward still to come
+                # gathers them again into the storage it saved.
                 group.reshard()
             if aborted:
                 group.reset_backward()
@@ -738,13 +750,9 @@ def _pre_forward(
             args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
         else:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
-    if not torch.is_grad_enabled() or (
-        group.num_grad_params == len(group.slots) and not group.needs_input_waiter
-    ):
-        # No frozen params: the unit's gradients tell when its backward is done, and its inputs
-        # stay the caller's own tensors (a unit may change them in place, as under DDP).
+    if not torch.is_grad_enabled():
         return args, kwargs
-    # Frozen params may still be needed for the inputs' gradients: [Note: when a unit's
+    # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
     if plain:
         positions = [i for i, a in enumerate(args) if a.requires_grad]
@@ -821,9 +829,11 @@ def _post_forward(
             # a penalty) may reach the loss without passing the outputs: their backward needs
             # the params too, and may run first.
             returned = {id(t) for t in leaves}
+            side_hook = None
             for tensor in _made_since(_own_modules(group), group.forward_seq):
                 if id(tensor) not in returned:
-                    tensor.register_hook(hook)
+                    side_hook = side_hook or _UncompiledUnitHook(_pre_backward_side, group)
+                    tensor.register_hook(side_hook)
         if not leaves and group.may_need_params_in_backward():
             # No tensor returned to hang the re-gather on (the result went into an attribute,
             # or an object fshard cannot look into), yet autograd may have saved the gathered
@@ -888,6 +898,15 @@ def _made_since(modules: list[nn.Module], start: int) -> list[torch.Tensor]:
                 if type(t) is torch.Tensor and t.grad_fn is not None and t.grad_fn._sequence_nr() >= start:
                     found.append(t)
     return found
+
+
+def _pre_backward_side(group: ParamGroup, grad: torch.Tensor | None) -> None:
+    """``_pre_backward`` for a tensor left in an attribute: gathers for it only before the
+    unit's own backward has run (a tensor upstream of the unit, its input kept in an attribute,
+    gets its gradient after that and needs no parameters)."""
+    if group._reduced or group._freed_in_backward:
+        return None
+    return _pre_backward(group, grad)
 
 
 def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:

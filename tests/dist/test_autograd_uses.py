@@ -4,12 +4,14 @@ attribute, a unit changing its input in place. Each trains like DDP under fshard
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -203,18 +205,72 @@ class _InPlaceNet(nn.Module):
         return self.head(h)
 
 
-def _in_place_input_worker(mesh_shape: tuple[int, ...]) -> bool:
+def _in_place_input_worker(mesh_shape: tuple[int, ...]) -> str:
     ddp, model, reference = _beside_ddp(_InPlaceNet, lambda m: m.blocks, mesh_shape=mesh_shape)
+    try:
+        _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=1)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,)], ids=str)
+def test_unit_changing_its_input_in_place_is_torchs_error(mesh_shape):
+    """A unit's inputs pass through an identity autograd Function that tells when their
+    gradients are ready (the moment its backward is done on every rank); changing one in place
+    is torch's error naming that Function, as under FSDP2 (documented), not a wrong number."""
+    for message in get_pool(math.prod(mesh_shape)).run(_in_place_input_worker, mesh_shape):
+        assert "_InputsGradReady" in message and "inplace" in message, message
+
+
+# ------------------------------------------------------------- rank-dependent and detached uses
+
+
+class _Experts(nn.Module):
+    """Every expert runs on rank 1; expert 1 never on rank 0 (a router's choice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.detached = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        used = self.experts if dist.get_rank() == 1 else self.experts[:1]
+        h = sum(torch.tanh(e(x)) for e in used)
+        # A detached use of its own weight: its backward (for x) still reads the weight after
+        # every gradient of the unit has arrived.
+        g = torch.tanh(F.linear(h, self.detached.weight.detach()))
+        return x + self.detached(g)
+
+
+class _ExpertsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_Experts() for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _rank_dependent_worker() -> bool:
+    ddp, model, reference = _beside_ddp(
+        _ExpertsNet, lambda m: m.blocks, ddp_kwargs={"find_unused_parameters": True}
+    )
     _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=2)
     _assert_params_equal(model, reference)
     return True
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
-def test_unit_changing_its_input_in_place_equals_ddp(mesh_shape):
-    """``nn.ReLU(inplace=True)`` first in a unit changes the caller's tensor, as under DDP:
-    fshard hands a unit without frozen params its inputs untouched."""
-    assert all(get_pool(math.prod(mesh_shape)).run(_in_place_input_worker, mesh_shape))
+def test_params_used_on_one_rank_and_detached_uses_equal_ddp():
+    """A unit's backward ends when its inputs' gradients are ready, the same moment on every
+    rank: counting arrived gradients would have ranks whose expert went unused reduce later
+    than the others (a hang), and would free a unit whose detached weight is still needed."""
+    assert all(get_pool(2).run(_rank_dependent_worker))
 
 
 # ------------------------------------------------------- calling a part of the model on its own
@@ -288,3 +344,80 @@ def test_calling_a_stack_of_units_on_its_own_equals_the_plain_model():
     and training loops call an encoder and a decoder in turn: the root unit's layers they use
     (a shared embedding, a final norm) are gathered for such a call as for the model's forward."""
     assert all(get_pool(2).run(_outside_calls_worker))
+
+
+# ------------------------------------------------------------------------ after a failed forward
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return torch.tanh(self.lin(x))
+
+
+class _FailsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_Fails() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _failed_micro_batch_worker(reshard_after_forward: bool) -> bool:
+    ddp, model, reference = _beside_ddp(
+        _FailsNet, lambda m: m.blocks, reshard_after_forward=reshard_after_forward
+    )
+    opts = _sgd(ddp, model)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        for m in (ddp, model):
+            m(x).pow(2).mean().backward()
+        model.blocks[2].fail = True  # the next micro-batch fails in the last block; skipped
+        with contextlib.suppress(RuntimeError):
+            model(x * 2)
+        model.blocks[2].fail = False
+        for opt in opts:  # the step changes the weights the failed forward left gathered
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
+def test_training_on_after_a_failed_micro_batch_equals_ddp(reshard_after_forward):
+    """Units a failed forward left gathered (kept ones too) are freed by the next forward, so
+    it computes with the weights the optimizer stepped in between, not a stale copy."""
+    assert all(get_pool(2).run(_failed_micro_batch_worker, reshard_after_forward))
+
+
+def _hook_under_mixed_precision_worker() -> bool:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+    mesh = mesh_for((2,))
+    fshard.fully_shard(model[0], mesh=mesh, mp_policy=fshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    fshard.fully_shard(model, mesh=mesh)
+    mask = torch.ones(6, 4)  # fp32, on a bf16 gradient: the result is promoted to fp32
+    mask[::2] = 0
+    model[0].weight.register_hook(lambda g: g * mask)
+    model(torch.randn(3, 4)).sum().backward()
+    grad = model[0].weight.grad
+    full = torch.cat([torch.zeros_like(grad), grad]) if dist.get_rank() else grad
+    rows = torch.arange(grad.shape[0]) + dist.get_rank() * grad.shape[0]
+    return bool((grad[rows % 2 == 0] == 0).all()) and full.dtype == torch.float32
+
+
+def test_a_tensor_hook_promoting_a_low_precision_gradient():
+    """Under MixedPrecision the gathered copy's gradient is bf16; a hook returning fp32 (an
+    fp32 mask) is cast back, as autograd requires, instead of failing."""
+    assert all(get_pool(2).run(_hook_under_mixed_precision_worker))
