@@ -174,6 +174,9 @@ class ParamGroup:
         self.needs_input_waiter = False
         # The modules of this unit not inside another unit (built on first use, see _hooks).
         self.own_modules: list[nn.Module] | None = None
+        # Per own module: its attribute count when last looked at, and the attributes that may
+        # hold a tensor made in forward (see _hooks._made_since).
+        self.attr_index: list[tuple[int, tuple[str, ...]]] = []
         # Modules of this unit called from outside its forward, being run as its forward now.
         self.outside_calls: list[nn.Module] = []
         # Autograd's sequence number when the latest forward with grad began (see _hooks).

@@ -830,7 +830,7 @@ def _post_forward(
             # the params too, and may run first.
             returned = {id(t) for t in leaves}
             side_hook = None
-            for tensor in _made_since(_own_modules(group), group.forward_seq):
+            for tensor in _made_since(group, group.forward_seq):
                 if id(tensor) not in returned:
                     side_hook = side_hook or _UncompiledUnitHook(_pre_backward_side, group)
                     tensor.register_hook(side_hook)
@@ -877,20 +877,40 @@ def _own_modules(group: ParamGroup) -> list[nn.Module]:
                 found.append(module)
                 stack.extend(module.children())
         group.own_modules = found
+        group.attr_index = []
     return group.own_modules
 
 
-def _made_since(modules: list[nn.Module], start: int) -> list[torch.Tensor]:
-    """Tensors with autograd history created since sequence number ``start`` that ``modules``
-    hold in attributes, directly or in a public list, tuple or dict attribute."""
+def _made_since(group: ParamGroup, start: int) -> list[torch.Tensor]:
+    """Tensors with autograd history created since sequence number ``start`` that the unit's own
+    modules hold in attributes, directly or in a public list, tuple or dict attribute.
+
+    Which attributes can hold one is worked out per module once, and again only when the
+    module gains or loses attributes: most modules have none, and a scan of every attribute of
+    every module on every forward would cost more than the rest of the unit's hooks."""
     found: list[torch.Tensor] = []
-    for module in modules:
-        for name, value in module.__dict__.items():
+    modules = _own_modules(group)
+    index = group.attr_index
+    if len(index) != len(modules):
+        index[:] = [(-1, ())] * len(modules)
+    for i, module in enumerate(modules):
+        attrs = module.__dict__
+        size, names = index[i]
+        if size != len(attrs):
+            names = tuple(
+                name
+                for name, value in attrs.items()
+                if type(value) is torch.Tensor
+                or (not name.startswith("_") and (value is None or type(value) in (list, tuple, dict)))
+            )
+            index[i] = (len(attrs), names)
+        for name in names:
+            value = attrs.get(name)
             if type(value) is torch.Tensor:
                 candidates: Any = (value,)
-            elif type(value) in (list, tuple) and not name.startswith("_"):
+            elif type(value) in (list, tuple):
                 candidates = value
-            elif type(value) is dict and not name.startswith("_"):
+            elif type(value) is dict:
                 candidates = value.values()
             else:
                 continue
