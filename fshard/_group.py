@@ -168,10 +168,6 @@ class ParamGroup:
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         self.forward_prefetch_default = True
         self.backward_prefetch_default = BackwardPrefetch.BACKWARD_PRE
-        # Learned: this unit's gradients can complete inside a reentrant checkpoint's nested
-        # backward while the outer one still needs its params ([Note: when a unit's backward
-        # is done]), so its forward inputs tell when it is done.
-        self.needs_input_waiter = False
         # The modules of this unit not inside another unit (built on first use, see _hooks).
         self.own_modules: list[nn.Module] | None = None
         # Per own module: its attribute count when last looked at, and the attributes that may
@@ -547,7 +543,7 @@ class ParamGroup:
         waiter.ready = True
         if all(w.ready for w in self._waiters):
             self.post_backward()
-        self._maybe_finish_backward()
+            self._maybe_finish_backward()  # reduced already (end of a retained backward): free
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
         self._grads_accumulated += 1
@@ -592,9 +588,8 @@ class ParamGroup:
             return
         if not waiting and self._nested_grads:
             # Gradients from a nested backward (a reentrant checkpoint within the unit's
-            # forward): another recompute may still need the params. Keep them until the
-            # backward ends, and wait on the forward inputs from the next step on.
-            self.needs_input_waiter = True
+            # forward) and no input to tell when the outer backward is done with the params:
+            # another recompute may still need them, so they stay until the backward ends.
             return
         self.reshard()
         if not self._freed_in_backward:

@@ -301,7 +301,7 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
 # points, and there are few of them: each gets hooks that, outside the unit's forward, run the
 # call as a forward of the unit. Leaf modules (an embedding called on its own) get none, so the
 # unit's own blocks stay hook-free and compilable.
-_CONTAINER_ATTR = "_fshard_container_of"
+_CONTAINER_ATTR = "_fshard_container_hooked"
 
 
 def hook_containers(group: ParamGroup) -> None:
@@ -312,10 +312,10 @@ def hook_containers(group: ParamGroup) -> None:
         if _UNIT_ATTR in module.__dict__:
             continue
         children = list(module.children())
-        if module.__dict__.get(_CONTAINER_ATTR) is None and any(
+        if _CONTAINER_ATTR not in module.__dict__ and any(
             _UNIT_ATTR in m.__dict__ for m in module.modules()
         ):
-            module.__dict__[_CONTAINER_ATTR] = weakref.ref(group)
+            module.__dict__[_CONTAINER_ATTR] = True
             module.register_forward_pre_hook(
                 _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
             )
@@ -340,9 +340,8 @@ def _container_pre_forward(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if group.training_state is not TrainingState.IDLE:
         return None  # inside the unit's forward or backward: its own hooks gathered it
-    if in_backward():
-        return _pre_forward(group, module, args, kwargs)  # a checkpoint's recompute: gather
-    group.outside_calls.append(module)
+    if not in_backward():  # in backward (a checkpoint's recompute) it only gathers
+        group.outside_calls.append(module)
     return _pre_forward(group, module, args, kwargs)
 
 
