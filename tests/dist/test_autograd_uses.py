@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fshard
 from fshard.testing import get_pool, mesh_for
+from tests.dist.test_memory import _MayFail
 from tests.dist.test_usage_cases import _assert_params_equal, _beside_ddp, _sgd, _train_side_by_side
 
 # --------------------------------------------------------------------- tensor hooks on parameters
@@ -131,6 +134,23 @@ def test_unit_returning_views_of_its_parameters_equals_ddp(reshard_after_forward
 # ---------------------------------------------------------- auxiliary losses left in attributes
 
 
+class _Chain(nn.Module):
+    """``inp``, then ``count`` blocks made by ``block`` (each a unit in these tests), then a head."""
+
+    def __init__(self, block: Callable[[], nn.Module], count: int = 3, *, dim: int = 6, residual: bool = False) -> None:
+        super().__init__()
+        self.residual = residual
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(block() for _ in range(count))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) + h if self.residual else block(h)
+        return self.head(h)
+
+
 class _Expert(nn.Module):
     """An MoE-style block: returns its hidden state and leaves its auxiliary losses, computed
     from its own parameters *after* the output, in attributes for the model to collect."""
@@ -149,19 +169,14 @@ class _Expert(nn.Module):
         return out
 
 
-class _ExpertNet(nn.Module):
+class _ExpertNet(_Chain):
     def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(_Expert() for _ in range(3))
-        self.head = nn.Linear(6, 2)
+        super().__init__(_Expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
+        out = super().forward(x)
         aux = sum(block.aux + 0.1 * block.extra_losses[0] for block in self.blocks)
-        return self.head(h).pow(2).mean() + 0.01 * aux
+        return out.pow(2).mean() + 0.01 * aux
 
 
 def _aux_worker(mesh_shape: tuple[int, ...]) -> bool:
@@ -191,22 +206,10 @@ class _InPlaceFirst(nn.Module):
         return self.lin(self.act(x))
 
 
-class _InPlaceNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(_InPlaceFirst() for _ in range(2))
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h) + h  # the residual reads the input the block changed in place
-        return self.head(h)
-
-
 def _in_place_input_worker(mesh_shape: tuple[int, ...]) -> str:
-    ddp, model, reference = _beside_ddp(_InPlaceNet, lambda m: m.blocks, mesh_shape=mesh_shape)
+    ddp, model, _ = _beside_ddp(
+        functools.partial(_Chain, _InPlaceFirst, 2, residual=True), lambda m: m.blocks, mesh_shape=mesh_shape
+    )
     try:
         _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=1)
     except RuntimeError as exc:
@@ -243,23 +246,9 @@ class _Experts(nn.Module):
         return x + self.detached(g)
 
 
-class _ExpertsNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(_Experts() for _ in range(3))
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
 def _rank_dependent_worker() -> bool:
     ddp, model, reference = _beside_ddp(
-        _ExpertsNet, lambda m: m.blocks, ddp_kwargs={"find_unused_parameters": True}
+        functools.partial(_Chain, _Experts), lambda m: m.blocks, ddp_kwargs={"find_unused_parameters": True}
     )
     _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=2)
     _assert_params_equal(model, reference)
@@ -349,38 +338,13 @@ def test_calling_a_stack_of_units_on_its_own_equals_the_plain_model():
 # ------------------------------------------------------------------------ after a failed forward
 
 
-class _Fails(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 6)
-        self.fail = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail:
-            raise RuntimeError("out of memory (simulated)")
-        return torch.tanh(self.lin(x))
-
-
-class _FailsNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(_Fails() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return h
-
-
 def _failed_micro_batch_worker(reshard_after_forward: bool) -> bool:
     ddp, model, reference = _beside_ddp(
-        _FailsNet, lambda m: m.blocks, reshard_after_forward=reshard_after_forward
+        functools.partial(_Chain, _MayFail, dim=16), lambda m: m.blocks, reshard_after_forward=reshard_after_forward
     )
     opts = _sgd(ddp, model)
     for step in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         for m in (ddp, model):
             m(x).pow(2).mean().backward()
         model.blocks[2].fail = True  # the next micro-batch fails in the last block; skipped

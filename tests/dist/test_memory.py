@@ -229,3 +229,20 @@ def test_a_unit_is_freed_before_its_gradients_are_reduced():
         assert len(blocks) == SPEC.layers and root_only > 0
         assert all(held == root_only for held in blocks.values()), (root_only, at_reduce)
         assert at_reduce["<root>"] == 0, at_reduce
+
+
+def _dropped_with_a_gather_in_flight_worker():
+    import gc
+
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    fshard.unshard(model.blocks[0], async_op=True)  # a handle never waited on
+    during = fshard.memory_stats().gathered_bytes
+    del model
+    gc.collect()
+    return during, fshard.memory_stats().gathered_bytes
+
+
+def test_a_model_dropped_with_a_gather_in_flight_leaves_nothing_counted():
+    for during, after in get_pool(2).run(_dropped_with_a_gather_in_flight_worker):
+        assert during > 0 and after == 0, (during, after)
