@@ -11,11 +11,12 @@ included). Then the unit is freed and its gradients reduced, in that order, so t
 full-size input never coexists with the gathered params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
 on those ranks, which would reduce later than the others and pair the wrong collectives. A unit
-with no input requiring grad (the first one) is done when every param that requires grad has
-its gradient (a post-accumulate-grad hook counts them), or, with frozen params and no such
-input (nothing says when they are no longer needed: a tensor may reach the forward other than
-as an argument), when the backward ends. So is a unit whose reentrant checkpoint ran a nested
-backward while it had no such input (another recompute may still need its params). A unit
+with no input requiring grad (the first one) has no such moment: it is reduced when the
+backward ends, with the others left then, in one order on every rank. Its params are freed
+earlier, once every param that requires grad has its gradient (a post-accumulate-grad hook
+counts them), unless it has frozen params (nothing says when they are no longer needed: a
+tensor may reach the forward other than as an argument) or its reentrant checkpoint ran a
+nested backward (another recompute may still need its params). A unit
 whose forward ran but whose backward never finished (a parameter left unused this step, an
 output that reached no loss) is finished by the root's end-of-backward callback instead, with
 zeros standing in for missing gradients so that every rank packs the same reduce-scatter; so
@@ -553,14 +554,18 @@ class ParamGroup:
         if root is not None:
             root.ensure_final_callback()  # type: ignore[attr-defined]  # RootState, see _hooks
         if self._grads_accumulated == self.num_grad_params and not self._waiters:
-            self.post_backward()
+            # Every gradient is here, so nothing in this backward reads the params any more:
+            # free them. The reduce waits for the end of the backward, where every rank issues
+            # it in the same order: a param used on some ranks only leaves the count short
+            # there, and reducing here on the others would pair the wrong collectives.
+            self._free_without_reduce()
 
     def post_backward(self) -> None:
         """This unit's backward is done: free it and reduce its gradients (unless accumulating).
 
         Done when its forward inputs' gradients are ready, the same moment on every rank (a
-        count of arrived gradients is not: an expert routed to on some ranks only), or, for a
-        unit without such inputs, when all its gradients arrived."""
+        count of arrived gradients is not: an expert routed to on some ranks only); a unit
+        without such inputs is reduced by the end-of-backward callback instead."""
         if self._reduced:
             return
         self._reduced = True
@@ -576,20 +581,34 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         self._maybe_finish_backward()
 
+    def _free_without_reduce(self) -> None:
+        """A unit without inputs requiring grad got all its gradients: free its params (when
+        nothing else may read them) but leave the reduce, and any prefetch a free would start,
+        to the end of the backward, a moment every rank reaches at the same point."""
+        if self._frozen_or_nested_keep():
+            return
+        self.reshard()
+        self._freed_in_backward = True
+
+    def _frozen_or_nested_keep(self) -> bool:
+        """For a unit without inputs requiring grad: whether its params must stay gathered
+        until the backward ends, though all its gradients arrived."""
+        if self.num_grad_params < len(self.slots):
+            # Frozen params, and no forward input requiring grad to tell when they are no
+            # longer needed (a tensor that reached the forward another way, an attribute set by
+            # the parent, may still need them): the end-of-backward callback frees the unit.
+            return True
+        # Gradients from a nested backward (a reentrant checkpoint within the unit's forward)
+        # and no input to tell when the outer backward is done with the params: another
+        # recompute may still need them, so they stay until the backward ends.
+        return self._nested_grads
+
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
         waiting = len(self._waiters) > 0
         if not grads_done or (waiting and not all(w.ready for w in self._waiters)):
             return
-        if not waiting and self.num_grad_params < len(self.slots):
-            # Frozen params, and no forward input requiring grad to tell when they are no
-            # longer needed (a tensor that reached the forward another way, an attribute set by
-            # the parent, may still need them): the end-of-backward callback frees the unit.
-            return
-        if not waiting and self._nested_grads:
-            # Gradients from a nested backward (a reentrant checkpoint within the unit's
-            # forward) and no input to tell when the outer backward is done with the params:
-            # another recompute may still need them, so they stay until the backward ends.
+        if not waiting and self._frozen_or_nested_keep():
             return
         self.reshard()
         if not self._freed_in_backward:

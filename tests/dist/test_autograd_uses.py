@@ -262,6 +262,33 @@ def test_params_used_on_one_rank_and_detached_uses_equal_ddp():
     assert all(get_pool(2).run(_rank_dependent_worker))
 
 
+def _behind_frozen_input() -> nn.Module:
+    """The first unit's input needs no grad (a frozen embedding, as in LoRA fine-tuning) and
+    its experts are routed to per rank; the root has a param no rank uses."""
+    chain = _Chain(_Experts, count=2)
+    chain.inp.requires_grad_(False)
+    chain.spare = nn.Linear(6, 6)
+    return chain
+
+
+def _frozen_input_worker() -> bool:
+    ddp, model, reference = _beside_ddp(
+        _behind_frozen_input, lambda m: m.blocks, ddp_kwargs={"find_unused_parameters": True}
+    )
+    _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=2)
+    _assert_params_equal(model, reference)
+    assert fshard.memory_stats().gathered_bytes == 0
+    return True
+
+
+def test_params_used_on_one_rank_in_a_unit_without_grad_requiring_inputs_equal_ddp():
+    """A unit whose inputs need no grad has no moment shared by every rank before the
+    backward ends: it is freed once its gradients arrived and reduced with the units left at
+    the end, in one order on every rank (reducing it once its count was complete paired the
+    wrong collectives on ranks where an expert went unused)."""
+    assert all(get_pool(2).run(_frozen_input_worker))
+
+
 # ------------------------------------------------------- calling a part of the model on its own
 
 
