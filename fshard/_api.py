@@ -115,7 +115,12 @@ def fully_shard(
             "call fully_shard once per module"
         )
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
-    ignored_list = list(ignored_params or ())
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError(
+            f"{where}: ignored_params takes an iterable of parameters, got one tensor; pass "
+            "[param] (or a module's .parameters())"
+        )
+    ignored_list = list(ignored_params) if ignored_params is not None else []
     ignored = {id(p) for p in ignored_list}
 
     if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
@@ -367,6 +372,10 @@ def reshard(module: nn.Module, *, writeback: bool = False) -> None:
     parameter into its shard, so edits made between ``unshard`` and ``reshard`` are kept (what
     FSDP1's ``summon_full_params(writeback=True)`` does); make the same edit on every rank.
     It refuses units that gather in a lower ``MixedPrecision.param_dtype`` than the shards.
+    Where a unit's gathered parameters are its shards themselves (one rank per shard group:
+    world size 1 or ``NO_SHARD``, with no dtype cast and no CPU offload) there is no copy, and
+    edits are made to the shards whatever ``writeback`` says; code that must keep its edits on
+    every mesh passes ``writeback=True``.
 
     Example:
         >>> fshard.unshard(model)                    # doctest: +SKIP
@@ -458,8 +467,8 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
     norm_type: float = 2.0,
-    *,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip gradients by the norm of the *full* gradient, computed across shards.
 
@@ -469,6 +478,10 @@ def clip_grad_norm_(
     ``.grad`` is this rank's plain shard (so the optimizer runs without tensor-subclass
     dispatch), and torch's function would clip each rank by the norm of its own shards only.
 
+    ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
+    every rank. ``foreach`` is accepted for
+    compatibility with torch's signature: the clipping always uses the ``_foreach`` kernels.
+
     Example:
         >>> loss.backward()                                                  # doctest: +SKIP
         >>> norm = fshard.clip_grad_norm_(model.parameters(), max_norm=1.0)  # doctest: +SKIP
@@ -476,6 +489,11 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     norm_type = float(norm_type)
+    if not norm_type > 0:  # also NaN
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type} (0 does "
+            "not measure a gradient's size: torch's counts the params with a non-zero gradient)"
+        )
     # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
     # no gradient among them here (a peer may have some).
     by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -502,12 +520,7 @@ def clip_grad_norm_(
     for info, sharded, replicated in by_group.values():
         part = _local_norm_power(sharded, norm_type, device)
         if info.shard_size > 1:
-            _collectives.all_reduce_(
-                part,
-                info.shard_group,
-                label="clip_grad_norm_",
-                op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
-            )
+            part = _all_reduce_norm_power(part, norm_type, info)
         rep = _local_norm_power(replicated, norm_type, device)
         total = _combine(_combine(total, part, norm_type), rep, norm_type)
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
@@ -537,6 +550,18 @@ def _local_norm_power(grads: list[torch.Tensor], norm_type: float, device: torch
         return torch.stack([v.to(device) for v in values]).max()
     norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
     return torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
+
+
+def _all_reduce_norm_power(part: torch.Tensor, norm_type: float, info: MeshInfo) -> torch.Tensor:
+    """Sum (or, for inf, max) one rank's part of the norm over the shard group."""
+    if not math.isinf(norm_type):
+        _collectives.all_reduce_(part, info.shard_group, label="clip_grad_norm_")  # NaN sums on
+        return part
+    # A MAX all-reduce need not carry a NaN through (gloo's does not): reduce a NaN flag with it.
+    nan = torch.isnan(part)
+    both = torch.stack([torch.where(nan, 0.0, part), nan.float()])
+    _collectives.all_reduce_(both, info.shard_group, label="clip_grad_norm_", op=dist.ReduceOp.MAX)
+    return torch.where(both[1] > 0, float("nan"), both[0])
 
 
 def _combine(a: torch.Tensor, b: torch.Tensor, norm_type: float) -> torch.Tensor:

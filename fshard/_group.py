@@ -11,8 +11,8 @@ included). Then the unit is freed and its gradients reduced, in that order, so t
 full-size input never coexists with the gathered params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
 on those ranks, which would reduce later than the others and pair the wrong collectives. A unit
-with no input requiring grad (the first one) has no such moment: it is reduced when the
-backward ends, with the others left then, in one order on every rank. Its params are freed
+with no input requiring grad (the first one), or called once without one, has no such moment:
+it is reduced when the backward ends, with the others left then, in one order on every rank. Its params are freed
 earlier, once every param that requires grad has its gradient (a post-accumulate-grad hook
 counts them), unless it has frozen params (nothing says when they are no longer needed: a
 tensor may reach the forward other than as an argument) or its reentrant checkpoint ran a
@@ -518,6 +518,9 @@ class ParamGroup:
         # forward's graph: a forward whose backward never comes (an evaluation with grad, a
         # skipped step) drops its token with its graph instead of holding the unit gathered.
         self._waiters: weakref.WeakSet[InputWaiter] = weakref.WeakSet()
+        # A forward with grad ran without an input requiring grad: that call's backward has no
+        # moment of its own to say it is done, so the unit is reduced when the backward ends.
+        self.unwaited_forward = False
         self._reduced = False
         self._freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
@@ -542,9 +545,20 @@ class ParamGroup:
 
     def on_inputs_grad_ready(self, waiter: InputWaiter) -> None:
         waiter.ready = True
+        if self.unwaited_forward:
+            if self._grads_accumulated == self.num_grad_params:
+                self._free_without_reduce()
+            return
         if all(w.ready for w in self._waiters):
             self.post_backward()
             self._maybe_finish_backward()  # reduced already (end of a retained backward): free
+
+    def prefetch_for_backward(self) -> None:
+        """Start gathering this unit for its backward, unless that is over already (the order
+        of this step's forward differs from the recorded one). Decided by what every rank
+        knows alike: whether the unit was reduced, not whether it was freed early."""
+        if not self._reduced:
+            self.unshard(async_op=True)
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
         self._grads_accumulated += 1
@@ -553,7 +567,9 @@ class ParamGroup:
         root = self.root
         if root is not None:
             root.ensure_final_callback()  # type: ignore[attr-defined]  # RootState, see _hooks
-        if self._grads_accumulated == self.num_grad_params and not self._waiters:
+        if self._grads_accumulated == self.num_grad_params and (
+            self.unwaited_forward or not self._waiters
+        ):
             # Every gradient is here, so nothing in this backward reads the params any more:
             # free them. The reduce waits for the end of the backward, where every rank issues
             # it in the same order: a param used on some ranks only leaves the count short
@@ -585,8 +601,8 @@ class ParamGroup:
         """A unit without inputs requiring grad got all its gradients: free its params (when
         nothing else may read them) but leave the reduce, and any prefetch a free would start,
         to the end of the backward, a moment every rank reaches at the same point."""
-        if self._frozen_or_nested_keep():
-            return
+        if self._frozen_or_nested_keep() or not all(w.ready for w in self._waiters):
+            return  # (the backward of a call with such inputs may still read the params)
         self.reshard()
         self._freed_in_backward = True
 

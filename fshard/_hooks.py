@@ -529,7 +529,7 @@ class RootState:
     def on_unit_backward_done(self, group: ParamGroup) -> None:
         """BACKWARD_POST prefetch: the next unit's gather starts once this one is freed."""
         for target in self.backward_targets(group, BackwardPrefetch.BACKWARD_POST):
-            target.unshard(async_op=True)
+            target.prefetch_for_backward()
 
     def ensure_final_callback(self) -> None:
         if self._callback_queued or not in_backward():
@@ -761,6 +761,8 @@ def _pre_forward(
             for i, tensor in zip(positions, wrapped, strict=True):
                 new_args[i] = tensor
             args = tuple(new_args)
+        else:
+            group.unwaited_forward = True
     else:
         # Arguments, keyword arguments and tuples in them, which a unit cannot change, so
         # giving it new ones is invisible (a tensor passed twice is wrapped once). Not inside
@@ -777,6 +779,8 @@ def _pre_forward(
             by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
             args = _in_tuples(args, lambda t: by_id.get(id(t), t))
             kwargs = {k: _in_tuples(v, lambda t: by_id.get(id(t), t)) for k, v in kwargs.items()}
+        else:
+            group.unwaited_forward = True
     return args, kwargs
 
 
@@ -950,7 +954,7 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     group.training_state = TrainingState.PRE_BACKWARD
     group.unshard()
     for target in root.backward_targets(group, BackwardPrefetch.BACKWARD_PRE):
-        target.unshard(async_op=True)
+        target.prefetch_for_backward()
     return None
 
 

@@ -6,6 +6,7 @@ import os
 from enum import IntEnum
 from typing import TypedDict
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -110,6 +111,7 @@ def strategy_kwargs(
     world = dist.get_world_size()
     if device_type is None:
         device_type = default_device_type()
+    _check_device_type(device_type, where)
     if replicate_size is not None and strategy not in (
         ShardingStrategy.HYBRID_SHARD,
         ShardingStrategy.HYBRID_SHARD_ZERO2,
@@ -128,7 +130,8 @@ def strategy_kwargs(
     if replicate_size is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         replicate_size = max(1, world // max(1, local))
-    if not isinstance(replicate_size, int) or replicate_size < 1 or world % replicate_size:
+    bad_type = not isinstance(replicate_size, int) or isinstance(replicate_size, bool)
+    if bad_type or replicate_size < 1 or world % replicate_size:
         raise ValueError(
             f"{where}: replicate_size must be a positive divisor of the world size {world}, "
             f"got {replicate_size!r}"
@@ -137,3 +140,26 @@ def strategy_kwargs(
         "mesh": _mesh(device_type, (replicate_size, world // replicate_size)),
         "reshard_after_forward": strategy is ShardingStrategy.HYBRID_SHARD,
     }
+
+
+def _check_device_type(device_type: object, where: str) -> None:
+    """A device type torch knows and this machine has (checked before a mesh is built on it)."""
+    try:
+        device = torch.device(device_type)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"{where}: device_type must name a torch device type ('cpu', 'cuda', ...), got "
+            f"{device_type!r}"
+        ) from None
+    if device.index is not None:
+        raise ValueError(
+            f"{where}: device_type is a device type without an index ({device.type!r}), got "
+            f"{device_type!r}; each rank uses its current device of that type"
+        )
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if device.type != "cpu" and (is_available is None or not is_available()):
+        raise ValueError(
+            f"{where}: device_type {device_type!r} is not available on this machine; leave it "
+            "out to use the default (cuda where available, else cpu)"
+        )

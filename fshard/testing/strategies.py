@@ -111,6 +111,8 @@ def mlp_specs(
         skip = draw(st.none() | st.integers(0, n - 1))
         if n == 1 or (skip is not None and widths[skip] != (widths[skip - 1] if skip else spec.in_dim)):
             skip = None  # a skipped layer must preserve the width and leave another to train
+        if skip is not None and all(i in frozen for i in range(n) if i != skip):
+            skip = None  # (frozen layers train nothing: the loss would need no grad)
         repeat = draw(st.none() | st.integers(0, n - 1))
         return MLPSpec(
             in_dim=spec.in_dim,

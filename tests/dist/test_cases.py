@@ -243,8 +243,8 @@ def _clip_worker(norm_type, mesh_shape):
     batch = make_batch(spec, 0, rank)
     _synced_reference_step(ref, compute_loss(spec, ref, batch))
     compute_loss(spec, model, batch).backward()
-    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
-    got = fshard.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type, foreach=True)
+    got = fshard.clip_grad_norm_(model.parameters(), 0.05, norm_type, foreach=True)
     grads = {name: _full(p.grad, p) for name, p in model.named_parameters()}
     return float(got), float(want), grads, {n: q.grad for n, q in ref.named_parameters()}
 
@@ -396,13 +396,33 @@ def test_stepping_on_unreduced_gradients_warns(mesh_shape, reduce_scatter):
         assert "Run the last micro-batch's backward with gradient sync on" in unsynced[0]
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0, 3.0])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
 def test_clip_grad_norm_matches_torch(norm_type, mesh_shape):
     for got, want, grads, ref_grads in get_pool(4).run(_clip_worker, norm_type, mesh_shape):
         assert got == pytest.approx(want, rel=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _clip_nan_worker(norm_type, nan_rank):
+    model = nn.Linear(8, 8)
+    fshard.fully_shard(model, mesh=mesh_for((4,)))
+    model(torch.ones(2, 8)).sum().backward()
+    if dist.get_rank() == nan_rank:
+        model.weight.grad[0, 0] = float("nan")  # an overflow lands in one rank's shard
+    norm = fshard.clip_grad_norm_(model.parameters(), 1.0, norm_type)
+    with pytest.raises(RuntimeError, match="the total norm of order .* is nan"):
+        fshard.clip_grad_norm_(model.parameters(), 1.0, norm_type, error_if_nonfinite=True)
+    return math.isnan(float(norm))
+
+
+@pytest.mark.parametrize("norm_type", [float("inf"), 2.0])
+@pytest.mark.parametrize("nan_rank", [0, 3])
+def test_a_nan_in_any_ranks_shard_makes_the_norm_nan_everywhere(norm_type, nan_rank):
+    """As torch's clip_grad_norm_ on the full gradient: a MAX all-reduce alone does not carry
+    a NaN from every rank (gloo's keeps the other ranks' finite maximum)."""
+    assert all(get_pool(4).run(_clip_nan_worker, norm_type, nan_rank))
 
 
 def _unshard_worker():
@@ -459,7 +479,9 @@ def _writeback_worker(strategy, mp):
 )
 def test_reshard_with_writeback_keeps_edits_to_the_gathered_params(mesh_shape, strategy):
     for result in get_pool(math.prod(mesh_shape)).run(_writeback_worker, strategy, False):
-        assert result == [0.25] * 3 or strategy == "NO_SHARD", result
+        # Without writeback the edit is dropped, except where the gathered params are the
+        # shards themselves (one rank per shard group): there it is made to the shards.
+        assert result == ([9.0] * 3 if strategy == "NO_SHARD" else [0.25] * 3), result
 
 
 def test_reshard_with_writeback_refuses_a_lower_precision_gather():

@@ -71,6 +71,34 @@ def test_wrong_argument_types_are_named():
         fshard.fully_shard(torch.zeros(2))  # type: ignore[arg-type]
 
 
+def _bad_arguments_worker() -> bool:
+    with pytest.raises(TypeError, match="ignored_params takes an iterable of parameters, got one tensor"):
+        model = _mlp()
+        fshard.fully_shard(model, mesh=mesh_for((2,)), ignored_params=model[2].weight)
+    with pytest.raises(ValueError, match="replicate_size must be a positive divisor .* got True"):
+        fshard.strategy_kwargs("HYBRID_SHARD", replicate_size=True)
+    with pytest.raises(ValueError, match="device_type must name a torch device type .* got 'gpu'"):
+        fshard.strategy_kwargs("FULL_SHARD", device_type="gpu")
+    with pytest.raises(ValueError, match="device type without an index .* got 'cpu:0'"):
+        fshard.strategy_kwargs("FULL_SHARD", device_type="cpu:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device_type 'cuda' is not available on this machine"):
+            fshard.strategy_kwargs("FULL_SHARD", device_type="cuda")
+    model = _mlp()
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.ones(2, 5)).sum().backward()
+    for norm_type in (0.0, -1.0, float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match="norm_type must be a number > 0 or inf"):
+            fshard.clip_grad_norm_(model.parameters(), 1.0, norm_type)
+    return True
+
+
+def test_bad_strategy_clip_and_ignored_arguments_are_named():
+    """Checked before anything is built: a mesh on a device type this machine lacks would
+    fail later, inside torch, with no word of which argument was wrong."""
+    assert all(get_pool(2).run(_bad_arguments_worker))
+
+
 def _twice():
     model = _mlp()
     fshard.fully_shard(model, mesh=mesh_for((2,)))

@@ -256,3 +256,68 @@ def _prefetch_leak_worker():
 
 def test_prefetch_leaves_nothing_gathered():
     assert all(get_pool(2).run(_prefetch_leak_worker))
+
+
+# ------------------------------------------------- one gather and one reduce per unit and backward
+
+
+class _TwoUnits(nn.Module):
+    """Units ``a`` and ``b`` (each two Linears). ``first_call_without_grad``: ``a`` runs first
+    on a tensor that needs no grad, then on the hidden state; ``order_changes``: ``a`` then
+    ``b`` on even steps, ``b`` then ``a`` on odd ones (the recorded order is the first)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.steps = 0
+        self.inp = nn.Linear(6, 6)
+        self.a = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.b = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.mode == "first_call_without_grad":
+            side = torch.tanh(self.a(x.flip(0))) * 3  # x needs no grad
+            h = self.b(self.a(h) * side)
+        elif self.steps % 2 == 0:
+            h = self.b(self.a(h))
+        else:
+            h = self.a(self.b(h))
+        self.steps += 1
+        return self.head(h)
+
+
+def _one_gather_per_backward_worker(mode: str) -> list[list[tuple[str, str]]]:
+    from tests.dist.test_usage_cases import _assert_params_equal, _batch, _beside_ddp, _sgd
+
+    ddp, model, reference = _beside_ddp(
+        functools.partial(_TwoUnits, mode), lambda m: (m.a, m.b), ddp_kwargs={"find_unused_parameters": True}
+    )
+    optims = _sgd(ddp, model)
+    traces = []
+    for step in range(3):
+        x = _batch(step, (4, 6))
+        ddp(x).pow(2).mean().backward()
+        loss = model(x).pow(2).mean()
+        with trace_collectives() as records:
+            loss.backward()
+        traces.append([(r.op, r.label) for r in records])
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return traces
+
+
+@pytest.mark.parametrize("mode", ["first_call_without_grad", "order_changes"])
+def test_a_backward_gathers_and_reduces_each_unit_once(mode):
+    """A unit called twice, once on a tensor needing no grad, is reduced when the backward
+    ends (not once its other call's inputs have their gradients, then again with the rest);
+    a prefetch from the recorded order skips a unit this step already reduced."""
+    for traces in get_pool(2).run(_one_gather_per_backward_worker, mode):
+        for backward in traces:
+            for label in ("a", "b"):
+                ops = [op for op, where in backward if where == label]
+                assert ops.count("reduce_scatter") == 1, (label, backward)
+                assert "all_gather" not in ops[ops.index("reduce_scatter"):], (label, backward)
