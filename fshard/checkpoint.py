@@ -553,9 +553,11 @@ def save(
 
     Collective: every rank calls it. Each rank writes only its shards through DCP; the write is
     atomic (written to a temporary sibling directory, then renamed), so a crash leaves the
-    previous checkpoint at ``path`` loadable. ``extra`` is per-rank user state: JSON-like values (None, bool, int, float, str,
-    lists, tuples, dicts) and tensors, e.g. ``{"step": 100, "rng": torch.get_rng_state()}``;
-    ``load`` gives each rank back what it saved.
+    previous checkpoint at ``path`` loadable, and a failed save removes its partial copy. ``path``
+    must be new, an empty directory or an fshard checkpoint (which is replaced); anything else
+    is refused. Buffers are saved from rank 0. ``extra`` is per-rank user state: JSON-like
+    values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
+    ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 
     Example:
         >>> fshard.checkpoint.save("runs/step-100", model, opt, extra={"step": 100})  # doctest: +SKIP
@@ -563,7 +565,7 @@ def save(
     where = "fshard.checkpoint.save"
     _require_dist(where)
     path = os.path.abspath(os.fspath(path))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     extra_tensors: dict[str, torch.Tensor] = {}
     extra_json = ""
     error = None
@@ -580,19 +582,81 @@ def save(
         sd["optim"] = osd["state"]
         optim_desc = _optim_manifest(model, osd)
 
+    if rank != 0:
+        # Buffers (and ignored params) are plain tensors each rank holds whole, not always
+        # alike (BatchNorm statistics): rank 0's are saved, as full_state_dict gives them.
+        # Left to DCP, it would spread the duplicates over the ranks to balance the writes.
+        sd = _without_plain_tensors(sd)
     token = _collectives.broadcast_objects(
         uuid.uuid4().hex[:12] if rank == 0 else None, 0, None, label="checkpoint.save"
     )
     tmp = f"{path}.tmp-{token}"
     error = None
     if rank == 0:
-        try:
-            os.makedirs(os.path.join(tmp, _EXTRA_DIR))
-        except OSError as exc:
-            error = f"cannot create {tmp}: {exc}"
+        error = _target_problem(path)
+        if error is None:
+            try:
+                os.makedirs(os.path.join(tmp, _EXTRA_DIR))
+            except OSError as exc:
+                error = f"cannot create {tmp}: {exc}"
     _raise_if_any_rank_failed(error, where, "checkpoint.save")
+    try:
+        _write_and_publish(sd, tmp, path, token, extra_tensors, extra_json, layout, optim_desc)
+    except BaseException:
+        # Every rank has stopped writing (each failure in there is agreed on). Not once the
+        # swap moved the previous checkpoint aside: then this one is what loading recovers.
+        if rank == 0 and not os.path.lexists(f"{path}.old-{token}"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("fshard: saved checkpoint %s", path)
 
-    dcp_save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
+
+def _without_plain_tensors(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _without_plain_tensors(v) for k, v in tree.items() if not _is_plain_tensor(v)}
+    return tree
+
+
+def _is_plain_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
+def _target_problem(path: str) -> str | None:
+    """Why ``path`` cannot take a checkpoint: a save replaces only a checkpoint it wrote (or
+    an empty directory), never a user's files."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        return f"{path} is a symbolic link; save to the directory it points to, or to a new path"
+    if not os.path.isdir(path):
+        return f"{path} exists and is not a directory; save to a new path or remove it"
+    if os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+        return (
+            f"{path} exists and is not an fshard checkpoint (it has files but no {MANIFEST}); "
+            "a save replaces only a checkpoint: save to a new path or remove it"
+        )
+    return None
+
+
+def _write_and_publish(
+    sd: dict[str, Any],
+    tmp: str,
+    path: str,
+    token: str,
+    extra_tensors: dict[str, torch.Tensor],
+    extra_json: str,
+    layout: Layout,
+    optim_desc: dict[str, Any] | None,
+) -> None:
+    """``save`` from the temporary directory on: the shards, the extra state, the manifest,
+    then the swap into ``path``."""
+    where = "fshard.checkpoint.save"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        dcp_save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    except (Exception, CheckpointException) as exc:  # on every rank when one fails to write
+        # (DCP's CheckpointException derives from BaseException.)
+        raise CheckpointError(f"{where}: writing the shards to {tmp} failed: {exc}") from exc
 
     error = None
     try:
@@ -636,7 +700,6 @@ def save(
         except Exception as exc:  # reported on every rank below
             error = f"committing {tmp} to {path}: {type(exc).__name__}: {exc}"
     _raise_if_any_rank_failed(error, where, "checkpoint.save")
-    logger.info("fshard: saved checkpoint %s", path)
 
 
 def _publish(tmp: str, path: str, token: str) -> None:

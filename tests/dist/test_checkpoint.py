@@ -237,6 +237,87 @@ def test_a_save_removes_only_its_own_leftovers(tmp_path):
     assert all((d / "keep.txt").read_text() == "user data" for d in mine)
 
 
+def _save_expecting_error(path):
+    try:
+        _save_only_task(path)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_save_replaces_only_a_checkpoint(tmp_path):
+    """A path holding a user's files (a runs directory, a mistyped path) or a file is refused
+    on every rank, and nothing in it is touched; an empty directory is fine."""
+    runs = tmp_path / "runs"
+    (runs / "step-100").mkdir(parents=True)
+    (runs / "notes.txt").write_text("mine")
+    (runs / "step-100" / "weights.bin").write_bytes(b"precious")
+    a_file = tmp_path / "model.pt"
+    a_file.write_bytes(b"torch.save output")
+    for path, why in ((runs, "is not an fshard checkpoint"), (a_file, "is not a directory")):
+        for message in get_pool(2).run(_save_expecting_error, str(path)):
+            assert message is not None and why in message and str(path) in message, message
+    assert (runs / "notes.txt").read_text() == "mine"
+    assert (runs / "step-100" / "weights.bin").read_bytes() == b"precious"
+    assert a_file.read_bytes() == b"torch.save output"
+    (tmp_path / "empty").mkdir()
+    get_pool(2).run(_save_only_task, str(tmp_path / "empty"))
+    assert ckpt.is_complete(tmp_path / "empty")
+    get_pool(2).run(_save_only_task, str(tmp_path / "empty"))  # and a checkpoint is replaced
+    assert sorted(os.listdir(tmp_path)) == ["empty", "model.pt", "runs"]
+
+
+def _failing_write_task(path):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+    if dist.get_rank() == 1:
+
+        def full_disk(self, *args, **kwargs):
+            raise OSError("No space left on device")
+
+        FileSystemWriter.write_data = full_disk
+    try:
+        return _save_expecting_error(path)
+    finally:
+        FileSystemWriter.write_data = original
+
+
+def test_a_failed_save_removes_its_temporary_directory(tmp_path):
+    """A full disk fails the save on every rank as a CheckpointError, keeps the previous
+    checkpoint and removes the partial copy (which would keep the disk full)."""
+    path = str(tmp_path / "ckpt")
+    get_pool(2).run(_save_only_task, path)
+    for message in get_pool(2).run(_failing_write_task, path):
+        assert message is not None and "writing the shards to" in message, message
+        assert "No space left on device" in message, message
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert ckpt.is_complete(path)
+
+
+def _rank_buffers_task(path):
+    rank = dist.get_rank()
+    model = C.build_sharded((dist.get_world_size(),))
+    for i in range(4):  # statistics each rank kept on its own data (BatchNorm without sync)
+        model.register_buffer(f"stat{i}", torch.full((5,), float(rank)))
+    ckpt.save(path, model)
+    reloaded = C.build_sharded((dist.get_world_size(),))
+    for i in range(4):
+        reloaded.register_buffer(f"stat{i}", torch.full((5,), -1.0))
+    ckpt.load(path, reloaded)
+    return [getattr(reloaded, f"stat{i}").tolist() for i in range(4)]
+
+
+def test_buffers_are_saved_from_rank_0(tmp_path):
+    """As full_state_dict and DDP's buffer broadcast: one rank's buffers, not each buffer from
+    whichever rank DCP chose to write it (it spreads duplicates to balance the writes)."""
+    path = str(tmp_path / "ckpt")
+    for buffers in get_pool(2).run(_rank_buffers_task, path):
+        assert buffers == [[0.0] * 5] * 4
+    consolidated = ckpt.consolidate(path)
+    assert [consolidated[f"stat{i}"].tolist() for i in range(4)] == [[0.0] * 5] * 4
+
+
 # ---------------------------------------------------------------------- corruption and keys
 
 
