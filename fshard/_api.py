@@ -131,6 +131,16 @@ def fully_shard(
         )
     problems = ProblemList(where)
     problems.extend(_foreign_wrappers(module))
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            params = list(sub.parameters(recurse=False))
+            if not any(id(p) in ignored or getattr(p, "_fshard_ignored", False) for p in params):
+                problems.add(
+                    f"module {name or '<root>'!r} ({type(sub).__name__}) makes sparse gradients "
+                    "(sparse=True), and fshard reduce-scatters dense ones: build it with "
+                    "sparse=False (and a dense optimizer instead of SparseAdam), or pass its "
+                    "weight in ignored_params"
+                )
     problems.raise_if_any(ValueError)
     managed: list[tuple[str, nn.Parameter]] = []
     inner_units = {id(g) for g in units_under(module)}

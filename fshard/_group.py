@@ -720,6 +720,12 @@ class ParamGroup:
             layout = slot.layout
             if grad is None:  # unused on this rank this step: contribute zeros
                 grad = torch.zeros(layout.full_shape, dtype=reduce_dtype, device=info.device)
+            elif grad.layout is not torch.strided:
+                raise TypeError(
+                    f"fshard: the gradient of {slot.fqn!r} in unit {self.label} is "
+                    f"{grad.layout} (from an embedding with sparse=True?); fshard reduce-scatters "
+                    "dense gradients: make the operation produce a dense one"
+                )
             if grad.dtype != reduce_dtype:
                 grad = grad.to(reduce_dtype)
             if layout.replicated:

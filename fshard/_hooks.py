@@ -197,6 +197,15 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "ranks would take different steps. Use an elementwise optimizer (SGD, Adam, AdamW, "
             "...), or run LBFGS on an unsharded model."
         )
+    adafactor = getattr(torch.optim, "Adafactor", None)  # torch >= 2.5
+    if sharded and adafactor is not None and isinstance(optimizer, adafactor):
+        raise TypeError(
+            "torch.optim.Adafactor cannot step fshard's sharded parameters: it factors each "
+            "matrix's second moment into statistics over its whole rows and columns, and each "
+            "rank holds only some rows, so the ranks would take steps DDP would not (and a "
+            "rank with an empty shard divides by zero). Use an elementwise optimizer (Adam, "
+            "AdamW, ...), or run Adafactor on an unsharded model."
+        )
     if sharded and unowned and data_parallel > 1:
         # [Note: parameters no unit owns] A head kept outside the sharded module (a wrapper
         # whose inner model alone was sharded) trains on this rank's gradients only; DDP of
@@ -717,9 +726,32 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
+_functorch = torch._C._functorch
+_PEEK_TRANSFORMS = getattr(_functorch, "peek_interpreter_stack", None)
+_DIFFERENTIATING = {
+    getattr(getattr(_functorch, "TransformType", None), name, None) for name in ("Grad", "Jvp")
+} - {None}
+
+
+def _refuse_functorch_differentiation(group: ParamGroup) -> None:
+    """``torch.func.grad`` / ``vjp`` / ``jacrev`` / ``jvp`` differentiate at their own level,
+    outside the autograd hooks that gather a unit for its backward."""
+    stack = _functorch.get_interpreter_stack() or []
+    if any(interpreter.key() in _DIFFERENTIATING for interpreter in stack):
+        raise RuntimeError(
+            f"fshard: unit {group.label} ran inside a torch.func transform that differentiates "
+            "(grad, vjp, jacrev, jacfwd, jvp), which fshard does not support: such a transform "
+            "differentiates outside the autograd hooks that gather the unit's parameters for "
+            "its backward. Use torch.autograd.grad or torch.autograd.functional.jacobian on "
+            "the model instead; torch.func.vmap alone works."
+        )
+
+
 def _pre_forward(
     group: ParamGroup, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if _PEEK_TRANSFORMS is not None and _PEEK_TRANSFORMS() is not None:
+        _refuse_functorch_differentiation(group)
     if group.root is None:
         _lazy_init(group)
     root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init

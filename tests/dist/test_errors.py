@@ -99,6 +99,53 @@ def test_bad_strategy_clip_and_ignored_arguments_are_named():
     assert all(get_pool(2).run(_bad_arguments_worker))
 
 
+class _SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.table, sparse=True)
+
+
+def _unsupported_gradients_worker() -> list[str]:
+    messages = []
+    mesh = mesh_for((2,))
+    model = nn.Sequential(nn.Embedding(7, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"module '0' \(Embedding\) makes sparse gradients \(sparse=True\)"):
+        fshard.fully_shard(model, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh, ignored_params=[model[0].weight])  # left alone: fine
+    lookup = _SparseLookup()
+    fshard.fully_shard(lookup, mesh=mesh)
+    with pytest.raises(TypeError, match="the gradient of 'table' in unit <root> is torch.sparse_coo"):
+        lookup(torch.tensor([1, 2])).sum().backward()
+    model = nn.Linear(4, 3)
+    fshard.fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adafactor(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(TypeError, match="torch.optim.Adafactor cannot step fshard's sharded parameters"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates") as info:
+        torch.func.grad(lambda x: model(x).sum())(torch.ones(2, 4))
+    messages.append(str(info.value))
+    fresh = nn.Linear(4, 3)  # before the first forward too (no root set-up inside the transform)
+    fshard.fully_shard(fresh, mesh=mesh)
+    with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates"):
+        torch.func.jacrev(fresh)(torch.ones(4))
+    torch.testing.assert_close(  # what the message recommends
+        torch.autograd.functional.jacobian(fresh, torch.ones(4)), fresh.weight.full_tensor()
+    )
+    return messages
+
+
+def test_sparse_gradients_adafactor_and_torch_func_differentiation_are_named():
+    """Each fails on every rank with what to do instead of deep inside a reduce (sparse
+    gradients cannot be reshaped), a step that diverges from DDP (Adafactor's factored
+    statistics) or an unrelated collective error (torch.func)."""
+    for messages in get_pool(2).run(_unsupported_gradients_worker):
+        assert "torch.autograd.grad" in messages[0]
+
+
 def _twice():
     model = _mlp()
     fshard.fully_shard(model, mesh=mesh_for((2,)))
