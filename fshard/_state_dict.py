@@ -15,6 +15,20 @@ and on a 2D mesh each shard is then broadcast along the replicate dim.
 [Note: rank 0]
 "Rank 0" is the first rank of the root's mesh (``mesh.mesh.flatten()[0]``), which is global
 rank 0 for a mesh over all ranks.
+
+[Note: ranks agree on errors]
+Each rank checks its own arguments against its own shards, and the ranks can disagree: a dict of
+plain local shards (``fshard.transforms.to_local``) passes on a rank whose shard happens to have
+the full shape (rank 0 of a ``(1, 3)`` weight on 2 ranks) and fails on the others, and factored
+optimizer state (Adafactor's) looks shard-shaped on some ranks only. A rank that raised alone
+leaves the others waiting in the next collective (a hang until the timeout) or in another state
+(loaded on some ranks, not on others). So each public call that communicates, or that loads,
+runs all of its checks first, then all-gathers one small object over the mesh (this rank's
+error or ``None``), and if any rank failed, every rank raises the same error naming the ranks,
+before anything is loaded or any other collective is issued. A plain tensor of this rank's
+shard shape that equals the full shape cannot be told from a full tensor on its own rank; the
+ranks whose shard differs from the full shape refuse it, and the agreement brings their error
+to the others.
 """
 
 from __future__ import annotations
@@ -22,7 +36,8 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,7 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
-from fshard._errors import ProblemList
+from fshard._errors import ProblemList, internal_error
 from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._hooks import check_optimizer_state, unit_of, units_or_error
 from fshard._mesh import MeshInfo
@@ -204,6 +219,84 @@ def _mesh_all_gather_objects(info: MeshInfo, obj: Any, label: str) -> list[Any]:
         parts = _collectives.all_gather_objects(items, info.replicate_group, label=label)
         items = [item for part in parts for item in part]
     return [o for _, o in sorted(items, key=lambda item: item[0])]
+
+
+@contextmanager
+def _ranks_agree(info: MeshInfo, where: str) -> Iterator[None]:
+    """Run the checks in the ``with`` body on every rank; raise on all if any rank failed.
+
+    See [Note: ranks agree on errors]. Costs one object all-gather over the mesh. The body must
+    issue no collective and change nothing, so that the error leaves every rank as it was.
+    """
+    failure: tuple[str, str] | None = None
+    cause: Exception | None = None
+    try:
+        yield
+    except Exception as exc:  # any failure of one rank must reach the others, or they hang
+        cause = exc
+        failure = (_error_kind(exc), str(exc))
+    everyone = _mesh_all_gather_objects(info, (dist.get_rank(), failure), label=f"{where}: checks")
+    failed = [(rank, f) for rank, f in everyone if f is not None]
+    if not failed:
+        return
+    kind = failed[0][1][0]  # the lowest failing rank's, so that every rank raises the same type
+    message = _agreed_message([(rank, text) for rank, (_, text) in failed], len(everyone), where)
+    raise _ERROR_KINDS[kind](message) from cause
+
+
+_ERROR_KINDS: dict[str, type[Exception]] = {
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def _error_kind(exc: Exception) -> str:
+    """The built-in class that every rank raises for ``exc`` (a name, to pickle safely)."""
+    if isinstance(exc, TypeError):
+        return "TypeError"
+    if isinstance(exc, ValueError):
+        return "ValueError"
+    return "RuntimeError"
+
+
+def _agreed_message(failed: list[tuple[int, str]], mesh_size: int, where: str) -> str:
+    """One message for every rank from each failing rank's ``(rank, message)``.
+
+    Example:
+        >>> print(_agreed_message([(1, "f: key 'w': bad")], 2, "f"))
+        f: key 'w': bad
+        (found on rank 1; every rank of the mesh (2) raises this error)
+        >>> print(_agreed_message([(0, "f: a"), (1, "f: b")], 2, "f"))
+        f: the ranks found different problems (every rank of the mesh (2) raises this error):
+          on rank 0: a
+          on rank 1: b
+    """
+    ranks_of: dict[str, list[int]] = {}
+    for rank, text in failed:
+        ranks_of.setdefault(text, []).append(rank)
+    everyone = f"every rank of the mesh ({mesh_size}) raises this error"
+    if len(ranks_of) == 1:
+        [(text, ranks)] = ranks_of.items()
+        return f"{text}\n(found on {_rank_list(ranks)}; {everyone})"
+    prefix = f"{where}: "
+    parts = [
+        f"  on {_rank_list(ranks)}: {text.removeprefix(prefix)}".replace("\n", "\n    ")
+        for text, ranks in ranks_of.items()
+    ]
+    return f"{where}: the ranks found different problems ({everyone}):\n" + "\n".join(parts)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``rank 3``, or ``ranks 0-3, 6`` (runs of consecutive ranks shortened)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _gather_full(
@@ -526,14 +619,17 @@ def _check_keys(
                 hint = ""
                 if not isinstance(value, DTensor) and got == e.slot.layout.local_shape:
                     hint = (
-                        " (it has this rank's shard shape: pass DTensors from fshard.state_dict "
-                        "or full tensors)"
+                        f" (it has this rank's shard shape on rank {dist.get_rank()}: a dict of "
+                        "plain local shards, such as fshard.transforms.to_local's, cannot be "
+                        "loaded; pass DTensors from fshard.state_dict or full tensors)"
                     )
                 problems.add(
                     f"key {e.key!r}: shape mismatch, the model's parameter has shape {list(want)} "
                     f"but the state dict has {list(got)}{hint}"
                 )
-        elif isinstance(e.value, torch.Tensor) and isinstance(value, torch.Tensor):
+        elif isinstance(e.value, torch.Tensor) and not isinstance(value, torch.Tensor):
+            problems.add(f"key {e.key!r}: expected a tensor, got {type(value).__name__}")
+        elif isinstance(e.value, torch.Tensor):
             if _global_shape(value) != e.value.shape:
                 problems.add(
                     f"key {e.key!r}: shape mismatch, the model's buffer has shape "
@@ -594,13 +690,19 @@ def _load_everywhere(
     strict: bool,
     where: str,
 ) -> LoadResult:
-    """Every rank holds the (full or sharded) state dict and keeps its rows."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{where}: state_dict must be a mapping, got {type(state_dict).__name__}")
-    problems = ProblemList(where)
-    problems.extend(_meta_problems(entries))
-    missing, unexpected = _check_keys(entries, state_dict, strict, problems)
-    problems.raise_if_any(ValueError)
+    """Every rank holds the (full or sharded) state dict and keeps its rows.
+
+    The ranks agree on the checks before anything is loaded ([Note: ranks agree on errors]).
+    """
+    with _ranks_agree(_root_info(model, where), where):
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{where}: state_dict must be a mapping, got {type(state_dict).__name__}"
+            )
+        problems = ProblemList(where)
+        problems.extend(_meta_problems(entries))
+        missing, unexpected = _check_keys(entries, state_dict, strict, problems)
+        problems.raise_if_any(ValueError)
     loaded: set[int] = set()
     rest: dict[str, Any] = {}
     with torch.no_grad():
@@ -846,6 +948,41 @@ def _is_unsupported_state(value: Any, slot: ParamSlot | None) -> bool:
     )
 
 
+def _check_saved_state(
+    optim: torch.optim.Optimizer, by_param: dict[int, tuple[str, ParamSlot | None]], where: str
+) -> None:
+    """Refuse state that ``optim_state_dict`` cannot save: tensors of a sharded parameter that
+    are neither shaped like this rank's shard nor scalars (factored state, such as Adafactor's).
+
+    Some of it is shaped like the shard on some ranks only (Adafactor's ``(1, 1)`` column
+    statistics of a ``(3, 1)`` parameter, on the rank whose shard is ``(1, 1)``), so the caller
+    makes the ranks agree ([Note: ranks agree on errors]).
+    """
+    problems = ProblemList(where)
+    seen: set[str] = set()
+    for params in _optim_params(optim):
+        for p in params:
+            name, slot = by_param[id(p)]
+            if p not in optim.state or name in seen or slot is None:
+                continue
+            seen.add(name)
+            for key, value in optim.state[p].items():
+                if not _is_shard_shaped(value, slot) and _is_unsupported_state(value, slot):
+                    problems.add(
+                        f"state[{name!r}][{key!r}] of {type(optim).__name__} has shape "
+                        f"{list(value.shape)}, neither this rank's shard of the parameter "
+                        f"{list(slot.layout.local_shape)} on rank {dist.get_rank()} nor a scalar"
+                    )
+    problems.raise_if_any(
+        ValueError,
+        hint=(
+            "fshard saves optimizer state shaped like the parameter plus scalars (factored state "
+            "such as Adafactor's is not supported on sharded parameters): use an elementwise "
+            "optimizer (SGD, Adam, AdamW, ...) for sharded parameters."
+        ),
+    )
+
+
 def _named_params(
     model: nn.Module, optim: torch.optim.Optimizer, where: str
 ) -> tuple[list[list[tuple[str, ParamSlot | None]]], list[_Entry]]:
@@ -897,14 +1034,18 @@ def optim_state_dict(
         'torch.optim.adamw.AdamW'
     """
     where = "fshard.optim_state_dict"
-    named_groups, _ = _named_params(model, optim, where)
-    check_optimizer_state(optim)  # state made before fully_shard: sharded now, or an error
     info = _root_info(model, where)
+    # The ranks agree before any gather, and before the caller's next collective (a checkpoint's
+    # broadcast): see [Note: ranks agree on errors].
+    with _ranks_agree(info, where):
+        named_groups, _ = _named_params(model, optim, where)
+        check_optimizer_state(optim)  # state made before fully_shard: sharded now, or an error
+        by_param: dict[int, tuple[str, ParamSlot | None]] = {}
+        for params, named in zip(_optim_params(optim), named_groups, strict=True):
+            for p, n in zip(params, named, strict=True):
+                by_param[id(p)] = n
+        _check_saved_state(optim, by_param, where)
     keep = not rank0_only or dist.get_rank() == _src_rank(info)
-    by_param: dict[int, tuple[str, ParamSlot | None]] = {}
-    for params, named in zip(_optim_params(optim), named_groups, strict=True):
-        for p, n in zip(params, named, strict=True):
-            by_param[id(p)] = n
     state: dict[str, dict[str, Any]] = {}
     for params in _optim_params(optim):
         for p in params:
@@ -928,14 +1069,6 @@ def optim_state_dict(
                             out[key] = gathered.cpu()
                     else:
                         out[key] = _as_dtensor(assert_slot, value)
-                elif _is_unsupported_state(value, slot):
-                    raise ValueError(
-                        f"{where}: state[{name!r}][{key!r}] of {type(optim).__name__} has shape "
-                        f"{list(value.shape)}, neither this rank's shard of the parameter "
-                        f"{list(slot.layout.local_shape)} nor a scalar: fshard saves optimizer "  # type: ignore[union-attr]  # checked
-                        "state shaped like the parameter plus scalars (factored state such as "
-                        "Adafactor's is not supported on sharded parameters)"
-                    )
                 elif isinstance(value, torch.Tensor) and full:
                     out[key] = value.detach().to("cpu", copy=True)  # a snapshot, as gathered ones
                 else:
@@ -1136,9 +1269,20 @@ def _check_state_shapes(
                 continue
             if isinstance(value, DTensor):
                 bad = value.shape != want
-            else:  # full, this rank's shard (refused later, with advice), or a scalar
-                bad = value.dim() > 0 and value.shape not in (want, slot.layout.local_shape)
-            if bad:
+            else:  # full, or a scalar; not this rank's shard (see [Note: ranks agree on errors])
+                bad = value.dim() > 0 and value.shape != want
+            if not bad:
+                continue
+            if not isinstance(value, DTensor) and value.shape == slot.layout.local_shape:
+                problems.add(
+                    f"state[{name!r}][{key!r}] is a plain tensor of this rank's shard shape "
+                    f"{list(value.shape)} on rank {dist.get_rank()}, not of the parameter's "
+                    f"shape {list(want)}: "
+                    "a state dict of plain local shards (such as fshard.transforms.to_local's) "
+                    "cannot be loaded; pass DTensors (fshard.optim_state_dict) or full tensors "
+                    "(fshard.optim_state_dict(..., full=True))"
+                )
+            else:
                 problems.add(
                     f"state[{name!r}][{key!r}]: shape mismatch, the parameter has shape "
                     f"{list(want)} but the state has {list(value.shape)}"
@@ -1254,25 +1398,27 @@ def _load_optim(
     """``load_optim_state_dict``; ``copy=False`` when the caller owns fresh tensors (checkpoints).
 
     ``check_only`` validates ``state_dict`` (its keys, shapes and optimizer class; the values are
-    not read) and loads nothing, so a checkpoint can be checked before anything is read.
+    not read) and loads nothing, so a checkpoint can be checked before anything is read. The
+    ranks agree on the checks before anything is loaded ([Note: ranks agree on errors]).
     """
-    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
-        raise ValueError(
-            f"{where}: expected a mapping with 'state' and 'param_groups' (from "
-            f"fshard.optim_state_dict, or an unsharded run's opt.state_dict()), got "
-            f"{type(state_dict).__name__} with keys "
-            f"{sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}"
-        )
-    named_groups, _ = _named_params(model, optim, where)
-    recorded = _check_recorded_class(optim, state_dict, where)
-    saved = _by_name(state_dict, named_groups, where)
-    problems = ProblemList(where)
-    matched, missing, unexpected = _match_groups(saved, named_groups, strict, problems)
-    _check_state_shapes(saved, named_groups, problems)
-    problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
-    if not recorded:
-        _check_unrecorded_kind(optim, saved, named_groups, matched, problems)
-        problems.raise_if_any(ValueError, hint=_OTHER_CLASS_HINT)
+    with _ranks_agree(_root_info(model, where), where):
+        if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
+            raise ValueError(
+                f"{where}: expected a mapping with 'state' and 'param_groups' (from "
+                f"fshard.optim_state_dict, or an unsharded run's opt.state_dict()), got "
+                f"{type(state_dict).__name__} with keys "
+                f"{sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}"
+            )
+        named_groups, _ = _named_params(model, optim, where)
+        recorded = _check_recorded_class(optim, state_dict, where)
+        saved = _by_name(state_dict, named_groups, where)
+        problems = ProblemList(where)
+        matched, missing, unexpected = _match_groups(saved, named_groups, strict, problems)
+        _check_state_shapes(saved, named_groups, problems)
+        problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
+        if not recorded:
+            _check_unrecorded_kind(optim, saved, named_groups, matched, problems)
+            problems.raise_if_any(ValueError, hint=_OTHER_CLASS_HINT)
     if check_only:
         return LoadResult(missing, unexpected)
 
@@ -1322,11 +1468,10 @@ def _local_state(
     elif shard_shaped and value.shape == slot.layout.full_shape:  # type: ignore[union-attr]  # shard_shaped
         # A full tensor: keep only this rank's rows, never a view of the whole.
         return _local_rows(value, slot).clone()  # type: ignore[arg-type]  # shard_shaped
-    elif shard_shaped and value.shape == slot.layout.local_shape:  # type: ignore[union-attr]  # shard_shaped
-        raise ValueError(
-            f"{where}: state[{name!r}][{key!r}] is a plain tensor of this rank's shard shape "
-            f"{list(value.shape)}; pass DTensors (fshard.optim_state_dict) or full tensors "
-            "(fshard.optim_state_dict(..., full=True))"
+    elif shard_shaped:
+        # _check_state_shapes refused every other shape on every rank, before any loading.
+        raise internal_error(
+            f"{where}: state[{name!r}][{key!r}] of shape {list(value.shape)} passed the checks"
         )
     else:
         local = value  # replicated state (Adam's step) or a non-tensor

@@ -106,19 +106,6 @@ def test_load_optim_state_dict_errors_name_the_key(case, patterns):
             assert pattern in message, message
 
 
-def _unsupported_state_task():
-    model = _linear_pair()
-    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)  # factored (row/column) state
-    _train(model, opt)
-    with pytest.raises(ValueError, match=r"state\['0.weight'\]\['row_var'\] of Adafactor"):
-        fshard.optim_state_dict(model, opt)
-    return True
-
-
-def test_optim_state_dict_refuses_state_not_shaped_like_the_param():
-    assert all(get_pool(2).run(_unsupported_state_task))
-
-
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
