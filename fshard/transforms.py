@@ -291,8 +291,20 @@ class Layout(Mapping[str, TensorLayout]):
 
 
 def _check_coord(coord: Coord | int, mesh_shape: tuple[int, ...], where: str) -> Coord:
-    if isinstance(coord, int):
-        coord = (coord,)
+    """``coord`` checked against the mesh; an int is a rank, at its row-major coordinate (as
+    ``init_device_mesh`` places ranks)."""
+    if isinstance(coord, int) and not isinstance(coord, bool):
+        size = math.prod(mesh_shape)
+        if not 0 <= coord < size:
+            raise ValueError(
+                f"{where}: rank {coord} is not on the layout's mesh of shape {mesh_shape} "
+                f"({size} ranks); pass a rank in 0..{size - 1} or a coordinate tuple"
+            )
+        rank, coords = coord, []
+        for extent in reversed(mesh_shape):
+            coords.append(rank % extent)
+            rank //= extent
+        return tuple(reversed(coords))
     coord = tuple(int(c) for c in coord)
     if len(coord) != len(mesh_shape) or not all(
         0 <= c < s for c, s in zip(coord, mesh_shape, strict=True)
@@ -438,6 +450,9 @@ def _flatten_by_coord(
 def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
     """The local state dict of mesh coordinate ``coord``, cut from a full (nested) state dict.
 
+    ``coord`` is a coordinate tuple, or a rank (an int: its row-major coordinate on the mesh,
+    where ``init_device_mesh`` puts that rank, so rank 3 of a ``(2, 2)`` mesh is ``(1, 1)``).
+
     Sharded leaves come back as views of ``full_sd``'s tensors; replicated leaves are the input
     objects themselves. A leaf at a layout key must be a full-shaped tensor; optimizer state
     below a key is sharded like the parameter when its shape matches and kept whole otherwise
@@ -459,7 +474,8 @@ def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
 
 
 def unshard(local_sds_by_coord: Mapping[Coord, Any], layout: Layout) -> Any:
-    """The full state dict assembled from local state dicts keyed by mesh coordinate.
+    """The full state dict assembled from local state dicts keyed by mesh coordinate (or by
+    rank, as in ``shard``).
 
     Along replicated mesh dims one coordinate is enough; every sharded key needs all its shards.
     Sharded tensors come back as new tensors, replicated leaves as the first coordinate's objects.

@@ -282,6 +282,18 @@ def test_bad_coordinates_and_layouts_are_clear_errors():
         T.Layout((2, 2), {"w": T.TensorLayout((3,), "float32", (3,), ("S(0)",))})
 
 
+def test_a_rank_stands_for_its_row_major_coordinate():
+    """As init_device_mesh places ranks: rank 3 of a (2, 2) mesh is (1, 1), rank 2 is (1, 0)."""
+    layout = T.Layout((2, 2), {"w": T.TensorLayout((4,), "float32", (2, 2), ("R", "S(0)"))})
+    full = {"w": torch.arange(4.0)}
+    for rank, coord in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        torch.testing.assert_close(T.shard(full, layout, rank), T.shard(full, layout, coord))
+    by_rank = {rank: T.shard(full, layout, rank) for rank in (2, 3)}
+    torch.testing.assert_close(T.unshard(by_rank, layout), full)
+    with pytest.raises(ValueError, match=r"rank 4 is not on the layout's mesh of shape \(2, 2\) \(4 ranks\)"):
+        T.shard(full, layout, 4)
+
+
 def test_a_coordinate_given_twice_is_an_error():
     layout = T.Layout((2,), {"w": T.TensorLayout((3,), "float32", (2,), ("S(0)",))})
     one = {"w": torch.tensor([1.0, 2.0])}
