@@ -742,8 +742,9 @@ def _refuse_functorch_differentiation(group: ParamGroup) -> None:
             f"fshard: unit {group.label} ran inside a torch.func transform that differentiates "
             "(grad, vjp, jacrev, jacfwd, jvp), which fshard does not support: such a transform "
             "differentiates outside the autograd hooks that gather the unit's parameters for "
-            "its backward. Use torch.autograd.grad or torch.autograd.functional.jacobian on "
-            "the model instead; torch.func.vmap alone works."
+            "its backward. Use torch.autograd.grad (for gradients with respect to inputs) or "
+            "torch.autograd.functional.jacobian on the model instead; torch.func.vmap alone "
+            "works."
         )
 
 
