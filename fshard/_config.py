@@ -28,6 +28,7 @@ fp16 training needs ``fshard.ShardedGradScaler``.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 import weakref
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fshard import _collectives
 from fshard._api import fully_shard, set_prefetch
 from fshard._errors import ProblemList
 from fshard._init import materialize
@@ -275,8 +277,13 @@ class FSDPConfig:
         if self.auto_wrap_policy is AutoWrapPolicy.SIZE_BASED_WRAP:
             return by_size(self.min_num_params)
         names = self.transformer_layer_cls_to_wrap
+        source = "fsdp_transformer_layer_cls_to_wrap"
         if not names:
             names = tuple(getattr(model, "_no_split_modules", None) or ())
+            source = (
+                f"{type(model).__name__}._no_split_modules (used because "
+                "fsdp_transformer_layer_cls_to_wrap is not set; set it to name the blocks)"
+            )
             if not names:
                 raise ValueError(
                     f"fsdp_auto_wrap_policy is TRANSFORMER_BASED_WRAP but no "
@@ -287,7 +294,7 @@ class FSDPConfig:
         try:
             return by_class(*names).resolve(model)
         except ValueError as exc:
-            raise ValueError(f"fsdp_transformer_layer_cls_to_wrap: {exc}") from None
+            raise ValueError(f"{source}: {exc}") from None
 
 
 # -------------------------------------------------------------------------------- parsing
@@ -366,6 +373,19 @@ _TOP_KEYS = (
     *_OTHER_SECTIONS,
 )
 
+# FSDP1 / Transformers TrainingArguments options that fshard knows and has no equivalent for:
+# accepted and ignored, with a warning when they are switched on (like the sections of other
+# backends above), so that a Trainer fsdp_config file loads unchanged.
+_XLA = "fshard does not run on PyTorch/XLA (TPU); it shards with torch.distributed on CPU or GPU"
+_NO_EQUIVALENT = {
+    "limit_all_gathers": "FSDP1's rate limit on all-gathers in flight has no fshard equivalent "
+    "(fshard prefetches one unit ahead by default; see fshard.set_prefetch)",
+    "xla": _XLA,
+    "xla_fsdp_settings": _XLA,
+    "xla_fsdp_grad_ckpt": _XLA,
+    "xla_fsdp_v2": _XLA,
+}
+
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
 
@@ -382,6 +402,8 @@ class _Parser:
     def boolean(self, key: str, value: object) -> bool | None:
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # accelerate's str_to_bool takes 1 / 0 too
+            return value == 1
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         self.fail(key, value, "true or false")
@@ -415,6 +437,13 @@ class _Parser:
         return None
 
 
+def _is_off(value: object) -> bool:
+    """False, 0, None, an empty section or a false-like word: a no-equivalent key left off."""
+    if isinstance(value, str):
+        return value.strip().lower() in (*_FALSE, "", "none")
+    return not value
+
+
 def _canonical_block_key(key: str) -> str | None:
     name = key[len("fsdp_"):] if key.startswith("fsdp_") else key
     name = _BLOCK_ALIASES.get(name, name)
@@ -422,7 +451,9 @@ def _canonical_block_key(key: str) -> str | None:
 
 
 def _unknown_key(parser: _Parser, key: object, valid: list[str], section: str, hint: str = "") -> None:
-    close = difflib.get_close_matches(str(key), valid, n=1)
+    # Compared as accelerate writes keys: lower case, with underscores.
+    spelled = str(key).strip().lower().replace("-", "_").replace(" ", "_")
+    close = difflib.get_close_matches(spelled, valid, n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
     parser.problems.add(
         f"unknown key {key!r} in {section}{suggestion}{hint}; valid keys: {', '.join(valid)}"
@@ -447,6 +478,10 @@ def _parse_block(parser: _Parser, block: Mapping[Any, Any], section: str) -> dic
     valid = sorted(set(_BLOCK_KEYS.values()) | {"fsdp_wrap_policy", "fsdp_backward_prefetch", "min_num_params"})
     for key, value in block.items():
         canon = _canonical_block_key(key) if isinstance(key, str) else None
+        if canon is None and isinstance(key, str) and key.removeprefix("fsdp_") in _NO_EQUIVALENT:
+            if not _is_off(value):
+                logger.warning("%s is ignored: %s", key, _NO_EQUIVALENT[key.removeprefix("fsdp_")])
+            continue
         if canon is None:
             hint = ""
             if key in _TOP_KEYS:
@@ -503,7 +538,13 @@ def _parse_value(parser: _Parser, canon: str, key: str, value: object) -> Any:
                 result = parse_strategy(value, key)  # type: ignore[arg-type]  # validated inside
             except (TypeError, ValueError):
                 names = ", ".join(s.name for s in ShardingStrategy)
-                parser.fail(key, value, f"true, false or a sharding strategy ({names} or 1-5)")
+                hint = ""
+                if str(value).strip() == "0":  # not a strategy; FSDP2 files mean false
+                    hint = (
+                        " (a number here is an FSDP1 sharding strategy, so 0 is none; to keep "
+                        "the parameters gathered after forward, write false)"
+                    )
+                parser.fail(key, value, f"true, false or a sharding strategy ({names} or 1-5){hint}")
                 result = None
     elif canon in ("offload_params", "forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading", "use_orig_params"):
         result = parser.boolean(key, value)
@@ -770,9 +811,17 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | FSDPConfig 
     return _build(parser, data, path)
 
 
-def _read_yaml(path: str) -> Mapping[Any, Any]:
-    import yaml
+class _BadConfigText(ValueError):
+    """A config file that does not parse; the message follows "FSDP config '<path>' "."""
 
+
+def _read_yaml(path: str) -> Mapping[Any, Any]:
+    """The mapping in the config file ``path``: YAML, or JSON for a ``.json`` file.
+
+    A key given twice in one mapping is an error (plain YAML and JSON readers keep the last one
+    silently, so half of what the user wrote would not apply). JSON is read by the json module:
+    JSON is YAML 1.2, but PyYAML reads YAML 1.1, which forbids the tab indentation JSON allows.
+    """
     file = Path(path)
     if file.is_dir():
         raise IsADirectoryError(
@@ -781,10 +830,11 @@ def _read_yaml(path: str) -> Mapping[Any, Any]:
         )
     if not file.is_file():
         raise FileNotFoundError(f"FSDP config file {path!r} does not exist")
+    text = file.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ValueError(f"FSDP config {path!r} is not valid YAML: {exc}") from None
+        data = _parse_json(text) if file.suffix.lower() == ".json" else _parse_yaml(text)
+    except _BadConfigText as exc:
+        raise ValueError(f"FSDP config {path!r} {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -793,6 +843,62 @@ def _read_yaml(path: str) -> Mapping[Any, Any]:
             f"block), got a {type(data).__name__}"
         )
     return data
+
+
+def _parse_json(text: str) -> Any:
+    import json
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise _BadConfigText(f"gives key {key!r} twice in one object; keep one")
+            seen[key] = value
+        return seen
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise _BadConfigText(f"is not valid JSON: {exc}") from None
+
+
+def _parse_yaml(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader subclass: safe
+    except yaml.YAMLError as exc:
+        raise _BadConfigText(f"is not valid YAML: {exc}") from None
+
+
+@functools.cache
+def _unique_key_loader() -> type[Any]:
+    """A ``yaml.SafeLoader`` that rejects a key given twice in one mapping (built on first use,
+    so that importing fshard does not import yaml)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            # Checked before SafeLoader flattens merge keys (<<), whose keys an explicit key
+            # may override.
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = lines.setdefault(key, line)
+                except TypeError:  # an unhashable key: SafeLoader reports it below
+                    continue
+                if first != line:
+                    raise _BadConfigText(
+                        f"gives key {key!r} twice in one mapping (lines {first} and {line}); "
+                        "keep one"
+                    )
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 # -------------------------------------------------------------------------------- applying
@@ -847,14 +953,16 @@ def from_config(
         raise TypeError(f"from_config expects an nn.Module, got {type(model).__name__}")
     cfg = load_config(config)
     policy = cfg.wrap_policy(model)
+    # Chosen and checked before sharding (and before any communication): once a block is
+    # sharded, its parameters count as owned, and an error after sharding would leave the
+    # model half-sharded.
+    recomputed = _checkpointed_blocks(model, cfg, policy)
     kwargs = strategy_kwargs(
         cfg.sharding_strategy,
         replicate_size=_replicate_size(cfg),
         device_type="cpu" if cfg.launch.use_cpu else None,
     )
-    rank0_state = _rank0_state_dict(model) if cfg.syncs_module_states else None
-    # Chosen before sharding: once a block is sharded, its parameters count as owned.
-    recomputed = select_modules(model, policy) if cfg.activation_checkpointing and policy else []
+    rank0_state = _rank0_state_dict(model, cfg) if cfg.syncs_module_states else None
     shard_kwargs: dict[str, Any] = {
         "mesh": kwargs["mesh"],
         "reshard_after_forward": kwargs["reshard_after_forward"],
@@ -883,6 +991,42 @@ def from_config(
     return model
 
 
+def _checkpointed_blocks(model: nn.Module, cfg: FSDPConfig, policy: Policy | None) -> list[str]:
+    """The FQNs ``fsdp_activation_checkpointing`` recomputes; raises before anything changes.
+
+    A policy that selects nothing is an error, like NO_WRAP with checkpointing (a rejected
+    config): the key would silently do nothing.
+    """
+    if not cfg.activation_checkpointing or policy is None:
+        return []
+    selected = select_modules(model, policy)
+    if not selected:
+        if cfg.auto_wrap_policy is AutoWrapPolicy.SIZE_BASED_WRAP:
+            how = f"fsdp_min_num_params: {cfg.min_num_params}"
+            fix = "lower fsdp_min_num_params"
+        else:
+            names = [getattr(c, "__name__", str(c)) for c in getattr(policy, "classes", ())]
+            how = f"classes {', '.join(dict.fromkeys(names))}"
+            fix = (
+                "name block classes below the root that hold parameters in "
+                "fsdp_transformer_layer_cls_to_wrap"
+            )
+        raise ValueError(
+            f"fsdp_activation_checkpointing: true checkpoints the blocks the wrap policy selects, "
+            f"but {cfg.auto_wrap_policy.value} ({how}) selects no submodule of "
+            f"{type(model).__name__} (the root is never one, nor a module without parameters); "
+            f"{fix}, or set fsdp_activation_checkpointing: false"
+        )
+    patched = [fqn for fqn in selected if "forward" in model.get_submodule(fqn).__dict__]
+    if patched:
+        raise ValueError(
+            f"fsdp_activation_checkpointing: the forward of {', '.join(repr(f) for f in patched)} "
+            "is already set on the instance (checkpointed before, or patched by other code); "
+            "leave out fsdp_activation_checkpointing or the patch"
+        )
+    return selected
+
+
 def _replicate_size(cfg: FSDPConfig) -> int | None:
     """Replicas for the hybrid strategies: one per machine.
 
@@ -895,21 +1039,50 @@ def _replicate_size(cfg: FSDPConfig) -> int | None:
     return cfg.launch.num_machines
 
 
-def _rank0_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def _sync_keys(cfg: FSDPConfig) -> str:
+    """The key(s) that asked for rank 0's weights to be broadcast, for messages."""
+    keys = [
+        key
+        for key, on in (
+            ("fsdp_sync_module_states", cfg.sync_module_states),
+            ("fsdp_cpu_ram_efficient_loading", cfg.cpu_ram_efficient_loading),
+        )
+        if on
+    ]
+    return " and ".join(keys) + (" are" if len(keys) > 1 else " is") + " true"
+
+
+def _rank0_state_dict(model: nn.Module, cfg: FSDPConfig) -> dict[str, torch.Tensor]:
     """Rank 0's full state dict before sharding (other ranks: empty), for the broadcast.
 
     The tensors alias the module's current storage; ``fully_shard`` moves each parameter into
     its unit's flat shard and leaves the old storage untouched, so no copy is needed.
+
+    Only rank 0 can tell whether its weights are real, so it broadcasts its verdict (an error
+    message or ``None``) first, one small object over the default group, and every rank raises
+    the same error: raising on rank 0 alone would leave the others waiting in the weight
+    broadcast until the process-group timeout (see [Note: ranks agree on errors] in
+    fshard/_state_dict.py).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() != 0:
+    if not (dist.is_available() and dist.is_initialized()):
         return {}
-    state = model.state_dict()
-    on_meta = [k for k, v in state.items() if v.is_meta]
-    if on_meta:
-        raise ValueError(
-            f"fsdp_sync_module_states: rank 0 must hold the real weights to broadcast, but "
-            f"{', '.join(on_meta[:5])}{' ...' if len(on_meta) > 5 else ''} are on the meta device"
-        )
+    rank = dist.get_rank()
+    state: dict[str, torch.Tensor] = {}
+    problem: str | None = None
+    if rank == 0:
+        state = model.state_dict()
+        on_meta = [k for k, v in state.items() if v.is_meta]
+        if on_meta:
+            problem = (
+                f"{_sync_keys(cfg)}: rank 0's weights are broadcast to every rank, so rank 0 "
+                f"must build {type(model).__name__} with real weights, but "
+                f"{', '.join(on_meta[:5])}{' ...' if len(on_meta) > 5 else ''} are on the meta "
+                "device on rank 0; build the model on rank 0 without torch.device('meta') (the "
+                "other ranks may use it)"
+            )
+    problem = _collectives.broadcast_objects(problem, 0, None, label="from_config: rank 0's weights")
+    if problem is not None:
+        raise ValueError(f"{problem}\n(found on rank 0; every rank raises this error)")
     return state
 
 

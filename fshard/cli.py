@@ -19,7 +19,7 @@ import os
 import shlex
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,24 @@ _PLANNED_COMMANDS = {
 
 _RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 _DEFAULT_RDZV = "c10d"
+
+_IN_THE_FILE = "put it in the --config_file YAML (an `accelerate config` file) instead"
+# `accelerate launch` flags that fshard launch has not -> how to say the same here. Flags
+# starting with --fsdp_ get _IN_THE_FILE too.
+_ACCELERATE_FLAGS = {
+    "--num_processes": "--num_processes is accelerate's total over all machines: fshard launch "
+    "takes --nproc N per machine (and --nnodes M for several machines), or num_processes in "
+    "the --config_file YAML",
+    "--mixed_precision": f"--mixed_precision: {_IN_THE_FILE} (mixed_precision: bf16)",
+    "--use_fsdp": "--use_fsdp: fshard launch always runs FSDP, so leave it out; the FSDP "
+    "options go in the --config_file YAML (distributed_type: FSDP with an fsdp_config block)",
+    "--multi_gpu": "--multi_gpu is not needed: --nproc N starts N processes",
+    "--num_cpu_threads_per_process": "--num_cpu_threads_per_process: set OMP_NUM_THREADS in the "
+    "environment instead (torchrun keeps it)",
+    "--gpu_ids": f"--gpu_ids: {_IN_THE_FILE} (gpu_ids: 0,1), or set CUDA_VISIBLE_DEVICES",
+    "--cpu": f"--cpu: {_IN_THE_FILE} (use_cpu: true)",
+    "--use_cpu": f"--use_cpu: {_IN_THE_FILE} (use_cpu: true)",
+}
 _MULTI_NODE_PORT = 29500
 
 
@@ -206,16 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What ``fshard launch`` runs: torchrun's arguments and the extra environment."""
+    """What ``fshard launch`` runs: torchrun's arguments, the extra environment, and the
+    variables removed from the environment (``unset``)."""
 
     torchrun_args: tuple[str, ...]
     env: dict[str, str]
+    unset: tuple[str, ...] = ()
 
     def command(self) -> str:
         """The equivalent shell command (what ``--dry-run`` prints)."""
+        prefix = ["env", *(f"-u {name}" for name in self.unset)] if self.unset else []
         assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
         words = ["python", "-m", "torch.distributed.run", *self.torchrun_args]
-        return " ".join([*assignments, *(shlex.quote(w) for w in words)])
+        return " ".join([*prefix, *assignments, *(shlex.quote(w) for w in words)])
 
 
 class LaunchError(ValueError):
@@ -237,13 +258,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _free_port) -> LaunchPlan:
+def plan_launch(
+    args: argparse.Namespace,
+    *,
+    free_port: Callable[[], int] = _free_port,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchPlan:
     """Build the ``torch.distributed.run`` arguments for parsed ``fshard launch`` args (pure).
 
     Flags win over the config file, which wins over the defaults (one machine, one process,
     127.0.0.1, a free port). Several machines need an address for machine 0 (a flag or
     ``main_process_ip``). Raises ``LaunchError`` naming the flag or key for an impossible
-    layout.
+    layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
+    process's environment; left over from an earlier launch or an export) is removed for the
+    script, so that ``fshard.from_config(model)`` never applies a file this launch was not given.
 
     Example:
         >>> from fshard.cli import build_parser, plan_launch
@@ -254,11 +282,14 @@ def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _fre
     from fshard._config import CONFIG_ENV, LaunchConfig, load_config
 
     env: dict[str, str] = {}
+    unset: tuple[str, ...] = ()
     layout = LaunchConfig()
     if args.config_file is not None:
         config_path = os.path.abspath(args.config_file)
         layout = load_config(config_path).launch
         env[CONFIG_ENV] = config_path
+    elif CONFIG_ENV in (os.environ if environ is None else environ):
+        unset = (CONFIG_ENV,)
 
     nnodes = args.nnodes if args.nnodes is not None else layout.num_machines or 1
     if nnodes < 1:
@@ -278,7 +309,11 @@ def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _fre
         nproc = 1
     node_rank = args.node_rank if args.node_rank is not None else layout.machine_rank or 0
     if not 0 <= node_rank < nnodes:
-        raise LaunchError(f"--node-rank must be in 0..{nnodes - 1} for {nnodes} machine(s), got {node_rank}")
+        given = "--node-rank" if args.node_rank is not None else f"machine_rank in {args.config_file!r}"
+        raise LaunchError(
+            f"{given} must be in 0..{nnodes - 1} for {nnodes} machine(s), got {node_rank}; "
+            "pass --node-rank (this machine's rank) or --nnodes to match"
+        )
     addr = args.master_addr or layout.main_process_ip
     if not addr:
         if nnodes > 1:
@@ -321,7 +356,7 @@ def plan_launch(args: argparse.Namespace, *, free_port: Callable[[], int] = _fre
     torchrun += [args.script, *args.script_args]
     if layout.gpu_ids is not None and layout.gpu_ids != "all":
         env["CUDA_VISIBLE_DEVICES"] = layout.gpu_ids
-    return LaunchPlan(torchrun_args=tuple(torchrun), env=env)
+    return LaunchPlan(torchrun_args=tuple(torchrun), env=env, unset=unset)
 
 
 def root_failure(failures: dict[int, tuple[int, float]]) -> tuple[int, int]:
@@ -374,6 +409,8 @@ def _run_launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import parse_args as torchrun_parse_args
     from torch.distributed.run import run as torchrun_run
 
+    for name in plan.unset:
+        os.environ.pop(name, None)
     os.environ.update(plan.env)
     try:
         torchrun_args = torchrun_parse_args(list(plan.torchrun_args))
@@ -468,6 +505,25 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- main
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse keeps its sub-parsers only there
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(f"fshard internal error: no {name!r} sub-command")
+
+
+def _accelerate_hint(word: str) -> str | None:
+    """How to say the `accelerate launch` flag ``word`` to ``fshard launch`` (``None``: not one)."""
+    flag = word.split("=", 1)[0].replace("-", "_")
+    flag = "--" + flag.lstrip("_")
+    if flag in _ACCELERATE_FLAGS:
+        return _ACCELERATE_FLAGS[flag]
+    if flag.startswith("--fsdp_"):
+        return f"{flag}: {_IN_THE_FILE}, under fsdp_config ({flag[2:]}: ...)"
+    return None
+
+
 def _error(message: str) -> None:
     print(f"fshard {message}", file=sys.stderr)
 
@@ -489,7 +545,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"argument COMMAND: {command!r} is not available in this version of fshard (it is "
             f"planned); the commands are {', '.join(_COMMANDS)}.{_PLANNED_COMMANDS[command]}"
         )
-    args = parser.parse_args(words)
+    if command == "launch":
+        args, unknown = parser.parse_known_args(words)
+        if unknown:
+            # Only words before SCRIPT can be unknown (the rest belong to the script), so these
+            # are launcher flags, often `accelerate launch` ones: answer with launch's usage.
+            launch = _subparser(parser, "launch")
+            hints = [_accelerate_hint(word) for word in unknown if word.startswith("-")]
+            launch.error(
+                f"unrecognized arguments: {' '.join(unknown)}"
+                + "".join(f"\n  hint: {hint}" for hint in dict.fromkeys(h for h in hints if h))
+            )
+    else:
+        args = parser.parse_args(words)
     if args.command == "launch":
         return _run_launch(args)
     if args.command == "consolidate":

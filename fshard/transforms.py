@@ -293,7 +293,9 @@ class Layout(Mapping[str, TensorLayout]):
 def _check_coord(coord: Coord | int, mesh_shape: tuple[int, ...], where: str) -> Coord:
     """``coord`` checked against the mesh; an int is a rank, at its row-major coordinate (as
     ``init_device_mesh`` places ranks)."""
-    if isinstance(coord, int) and not isinstance(coord, bool):
+    if isinstance(coord, bool):
+        raise TypeError(f"{where}: pass a coordinate tuple or a rank (an int), got {coord!r}")
+    if isinstance(coord, int):
         size = math.prod(mesh_shape)
         if not 0 <= coord < size:
             raise ValueError(

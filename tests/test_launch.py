@@ -178,3 +178,17 @@ def test_failing_script_exit_status_propagates(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 3, result.stderr[-4000:]
     assert "failed on rank 1 with exit code 3" in result.stderr
+
+
+def test_a_stale_config_file_variable_does_not_reach_the_script(tmp_path: Path) -> None:
+    # Left over from an earlier launch (or exported): without --config_file, from_config(model)
+    # must not silently apply that file.
+    script = _write(tmp_path, "show.py", "import os, sys\nprint('CFG', os.environ.get('FSHARD_CONFIG_FILE'))\n")
+    env = {**_env(), "FSHARD_CONFIG_FILE": str(tmp_path / "old.yaml")}
+    result = subprocess.run(
+        [*_fshard(), "launch", "--nproc", "1", str(script)],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "CFG None" in result.stdout
+    assert "fshard launch: env -u FSHARD_CONFIG_FILE python -m torch.distributed.run" in result.stderr

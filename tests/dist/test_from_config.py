@@ -11,6 +11,7 @@ the units are checked and training is compared with DDP within bf16 rounding.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,3 +341,43 @@ def test_meta_loading_needs_no_initialisers_and_brings_non_persistent_buffers() 
     for rank, result in enumerate(results):
         for key in ("out", "freq"):
             torch.testing.assert_close(result[key], results[0][key], rtol=0, atol=0, msg=f"rank {rank}: {key}")
+
+
+def _meta_on_rank0(config: dict[str, Any]) -> None:
+    if dist.get_rank() == 0:
+        with torch.device("meta"):
+            model = ToyBert()
+    else:
+        model = build()
+    fshard.from_config(model, config)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"fsdp_cpu_ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading is true"),
+        ({"fsdp_sync_module_states": "true"}, "fsdp_sync_module_states is true"),
+    ],
+)
+def test_a_meta_model_on_rank0_is_an_error_on_every_rank_at_once(config: dict[str, Any], named: str) -> None:
+    # Only rank 0 can see that its weights are not real; the others must not wait for the
+    # weight broadcast until the process-group timeout, but raise the same error at once.
+    from fshard.testing import RanksFailed
+
+    config = {**config, "fsdp_transformer_layer_cls_to_wrap": "BertLayer"}
+    pool = get_pool(WORLD)
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        pool.run(_meta_on_rank0, config, timeout=30)
+    assert time.monotonic() - start < 15
+    assert sorted(info.value.errors) == [0, 1], "every rank must raise"
+    messages = {str(exc) for exc in info.value.errors.values()}
+    assert len(messages) == 1, messages
+    [message] = messages
+    assert all(isinstance(exc, ValueError) for exc in info.value.errors.values())
+    assert message.startswith(f"{named}: rank 0's weights are broadcast to every rank"), message
+    assert "embeddings.weight" in message and "on the meta device on rank 0" in message
+    assert "without torch.device('meta')" in message
+    assert "every rank raises this error" in message
+    other = "fsdp_sync_module_states" if "cpu_ram" in named else "fsdp_cpu_ram_efficient_loading"
+    assert other not in message

@@ -24,8 +24,11 @@ from fshard.cli import (
 from tests.accelerate_samples import GUIDE, sample
 
 
-def _plan(argv: list[str], port: int = 4321) -> Any:
-    return plan_launch(build_parser().parse_args(["launch", *argv]), free_port=lambda: port)
+def _plan(argv: list[str], port: int = 4321, environ: dict[str, str] | None = None) -> Any:
+    args = build_parser().parse_args(["launch", *argv])
+    if environ is None:
+        return plan_launch(args, free_port=lambda: port)
+    return plan_launch(args, free_port=lambda: port, environ=environ)
 
 
 def _flags(args: tuple[str, ...]) -> dict[str, str]:
@@ -243,6 +246,69 @@ def test_module_flag() -> None:
 def test_impossible_layouts(argv: list[str], message: str) -> None:
     with pytest.raises(LaunchError, match=re.escape(message)):
         _plan(argv)
+
+
+def test_a_bad_node_rank_from_the_file_names_machine_rank(tmp_path: Path) -> None:
+    # machine_rank 1 fits the file's 2 machines, but --nnodes 1 overrides them.
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(sample("guide", num_processes=4, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1")))
+    message = f"machine_rank in {str(config)!r} must be in 0..0 for 1 machine(s), got 1; pass --node-rank"
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        _plan(["--config_file", str(config), "--nnodes", "1", "t.py"])
+
+
+def test_a_stale_config_file_variable_does_not_reach_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stale = {"FSHARD_CONFIG_FILE": "/old/run/accelerate.yaml"}
+    plan = _plan(["t.py"], environ=stale)
+    assert plan.unset == ("FSHARD_CONFIG_FILE",) and plan.env == {}
+    assert plan.command().startswith("env -u FSHARD_CONFIG_FILE python -m torch.distributed.run ")
+    assert _plan(["t.py"], environ={}).unset == ()
+    # With --config_file, the given file replaces it.
+    config = tmp_path / "c.yaml"
+    config.write_text(GUIDE)
+    plan = _plan(["--config_file", str(config), "t.py"], environ=stale)
+    assert plan.unset == () and plan.env == {"FSHARD_CONFIG_FILE": str(config.resolve())}
+    # What main() prints for --dry-run reads this process's environment.
+    monkeypatch.setenv("FSHARD_CONFIG_FILE", "/old/run/accelerate.yaml")
+    assert main(["launch", "--dry-run", "t.py"]) == 0
+    assert capsys.readouterr().out.startswith("env -u FSHARD_CONFIG_FILE python -m torch.distributed.run")
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--num_processes", "2"], "--num_processes is accelerate's total over all machines: fshard launch takes --nproc N per machine (and --nnodes M"),
+        (["--num-processes=2"], "--num_processes is accelerate's total over all machines"),
+        (["--mixed_precision", "bf16"], "--mixed_precision: put it in the --config_file YAML"),
+        (["--use_fsdp"], "--use_fsdp: fshard launch always runs FSDP, so leave it out; the FSDP options go in the --config_file YAML"),
+        (["--fsdp_sharding_strategy", "1"], "--fsdp_sharding_strategy: put it in the --config_file YAML (an `accelerate config` file) instead, under fsdp_config"),
+        (["--multi_gpu"], "--multi_gpu is not needed: --nproc N starts N processes"),
+        (["--num_cpu_threads_per_process", "4"], "--num_cpu_threads_per_process: set OMP_NUM_THREADS in the environment"),
+    ],
+)  # fmt: skip
+def test_accelerate_launch_flags_get_the_launch_usage_and_a_hint(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", *argv, "train.py", "--lr", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fshard launch ")
+    assert f"fshard launch: error: unrecognized arguments: {argv[0]}" in err
+    assert f"\n  hint: {hint}" in err
+
+
+def test_an_unknown_launch_flag_gets_the_launch_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--bogus", "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fshard launch ") and "unrecognized arguments: --bogus" in err
+    assert "hint" not in err
+    # After the script, the same words are the script's.
+    assert build_parser().parse_args(["launch", "t.py", "--num_processes", "2"]).script_args == ["--num_processes", "2"]
 
 
 def test_num_processes_must_divide_over_machines(tmp_path: Path) -> None:

@@ -212,6 +212,20 @@ def test_transformer_wrap_falls_back_to_no_split_modules() -> None:
         cfg.wrap_policy(nn.Sequential(nn.Linear(2, 2)))
 
 
+def test_a_bad_no_split_modules_name_is_blamed_on_no_split_modules() -> None:
+    class WithVision(ToyBert):
+        _no_split_modules: ClassVar[list[str]] = ["BertLayer", "VisionLayer"]
+
+    cfg = fshard.load_config({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    with pytest.raises(ValueError) as info:
+        cfg.wrap_policy(WithVision())
+    message = str(info.value)
+    assert message.startswith(
+        "WithVision._no_split_modules (used because fsdp_transformer_layer_cls_to_wrap is not "
+        "set; set it to name the blocks): by_class: no module of class 'VisionLayer' in WithVision"
+    ), message
+
+
 def test_unknown_layer_class_names_the_class_and_lists_the_models() -> None:
     cfg = fshard.load_config({"fsdp_transformer_layer_cls_to_wrap": "BertLayer,GPT2Block"})
     with pytest.raises(
@@ -329,10 +343,38 @@ def test_unknown_block_key_suggests_and_lists_the_valid_ones() -> None:
         assert key in valid, key
 
 
+@pytest.mark.parametrize("key", ["FSDP_OFFLOAD_PARAMS", "fsdp-offload-params", "Fsdp_Offload_Params "])
+def test_unknown_key_suggestions_ignore_case_and_dashes(key: str) -> None:
+    assert f"unknown key {key!r} in the fsdp_config block (did you mean 'fsdp_offload_params'?)" in _error({key: True})
+
+
+def test_trainer_keys_without_an_equivalent_are_known(caplog: pytest.LogCaptureFixture) -> None:
+    # A TrainingArguments fsdp_config (json) loads; switched-on options say why they do nothing.
+    data = {"transformer_layer_cls_to_wrap": ["BertLayer"], "backward_prefetch": "backward_pre",
+            "forward_prefetch": False, "limit_all_gathers": True, "use_orig_params": True,
+            "sync_module_states": True, "activation_checkpointing": False, "xla": False,
+            "xla_fsdp_grad_ckpt": False, "xla_fsdp_settings": {}, "fsdp_xla_fsdp_v2": "false"}  # fmt: skip
+    with caplog.at_level("WARNING", logger="fshard"):
+        cfg = fshard.load_config(data)
+    assert cfg.transformer_layer_cls_to_wrap == ("BertLayer",) and cfg.sync_module_states
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "limit_all_gathers is ignored: FSDP1's rate limit on all-gathers in flight has no fshard "
+        "equivalent (fshard prefetches one unit ahead by default; see fshard.set_prefetch)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fshard"):
+        fshard.load_config({"distributed_type": "FSDP", "fsdp_config": {"fsdp_xla": True}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "fsdp_xla is ignored: fshard does not run on PyTorch/XLA (TPU); it shards with "
+        "torch.distributed on CPU or GPU"
+    ]
+
+
 def test_unknown_key_inside_fsdp_config_of_a_whole_file() -> None:
     data = sample("notes")
-    data["fsdp_config"]["xla_fsdp_grad_ckpt"] = True
-    assert "unknown key 'xla_fsdp_grad_ckpt' in fsdp_config" in _error(data)
+    data["fsdp_config"]["fsdp_grad_ckpt"] = True
+    assert "unknown key 'fsdp_grad_ckpt' in fsdp_config" in _error(data)
 
 
 def test_unknown_top_level_key_lists_accelerates_keys() -> None:
@@ -415,6 +457,77 @@ def test_file_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        # Last-wins would apply strategy 2 and drop the offload of the first block.
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 1\n  fsdp_offload_params: true\n"
+         "  fsdp_sharding_strategy: 2\nfsdp_config:\n  fsdp_offload_params: false\n", "fsdp_config", (2, 6)),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 2\n  fsdp_sharding_strategy: 1\n",
+         "fsdp_sharding_strategy", (3, 4)),
+        ("fsdp_offload_params: true\nmixed_precision: bf16\nmixed_precision: 'no'\n", "mixed_precision", (2, 3)),
+    ],
+    ids=["top_level", "inside_fsdp_config", "block_only"],
+)  # fmt: skip
+def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path: Path, text: str, key: str, lines: tuple[int, int]) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    message = re.escape(f"FSDP config {str(path)!r} gives key {key!r} twice in one mapping (lines {lines[0]} and {lines[1]}); keep one")
+    with pytest.raises(ValueError, match=message):
+        fshard.load_config(path)
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path: Path) -> None:
+    # An explicit key next to a merge (<<) is an override, not a duplicate.
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "base: &base\n  fsdp_offload_params: true\n  fsdp_sharding_strategy: 1\n"
+        "distributed_type: FSDP\nfsdp_config:\n  <<: *base\n  fsdp_sharding_strategy: 2\n"
+    )
+    message = _error(path)  # `base` is not an accelerate key; the merge itself parsed
+    assert "unknown key 'base'" in message and "twice" not in message
+
+
+def test_json_files_are_read_as_json(tmp_path: Path) -> None:
+    # Tab indentation is valid JSON but not valid YAML 1.1 (PyYAML).
+    block = tmp_path / "block.json"
+    block.write_text('{\n\t"fsdp_transformer_layer_cls_to_wrap": [\n\t\t"BertLayer"\n\t],\n\t"fsdp_offload_params": true\n}')
+    cfg = fshard.load_config(block)
+    assert cfg.transformer_layer_cls_to_wrap == ("BertLayer",) and cfg.offload_params
+    whole = tmp_path / "whole.JSON"
+    whole.write_text('{\n\t"distributed_type": "FSDP",\n\t"num_processes": 2,\n\t"fsdp_config": {\n\t\t"fsdp_sharding_strategy": 2\n\t}\n}')
+    cfg = fshard.load_config(whole)
+    assert cfg.sharding_strategy.name == "SHARD_GRAD_OP" and cfg.launch.num_processes == 2
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"fsdp_sharding_strategy": 1, "fsdp_sharding_strategy": 2}')
+    with pytest.raises(ValueError, match=re.escape(f"FSDP config {str(dup)!r} gives key 'fsdp_sharding_strategy' twice in one object; keep one")):
+        fshard.load_config(dup)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"fsdp_sharding_strategy": 1,}')
+    with pytest.raises(ValueError, match=r"FSDP config '.*bad.json' is not valid JSON: "):
+        fshard.load_config(bad)
+
+
+@pytest.mark.parametrize("key", ["fsdp_offload_params", "fsdp_forward_prefetch", "fsdp_sync_module_states",
+                                 "fsdp_cpu_ram_efficient_loading", "fsdp_use_orig_params", "fsdp_activation_checkpointing"])  # fmt: skip
+def test_booleans_as_yaml_integers_1_and_0(key: str) -> None:
+    # accelerate's str_to_bool takes 1/0; other numbers stay errors.
+    extra = {"fsdp_transformer_layer_cls_to_wrap": "BertLayer"}
+    canon = key.removeprefix("fsdp_")
+    assert getattr(fshard.load_config({key: 1, **extra}), canon) is True
+    assert getattr(fshard.load_config(yaml.safe_load(f"{key}: 0")), canon) is False
+    for bad in (2, -1, 1.0):
+        assert f"{key}: {bad!r} is not valid; expected true or false" in _error({key: bad, **extra})
+    assert fshard.load_config({"distributed_type": "FSDP", "use_cpu": 1}).launch.use_cpu is True
+
+
+def test_reshard_after_forward_zero_says_to_write_false() -> None:
+    message = _error({"fsdp_reshard_after_forward": 0})
+    assert "fsdp_reshard_after_forward: 0 is not valid; expected true, false or a sharding strategy" in message
+    assert "to keep the parameters gathered after forward, write false" in message
+    assert fshard.load_config({"fsdp_reshard_after_forward": 1}).sharding_strategy.name == "FULL_SHARD"
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"sharding_strategy": 9}, ValueError, "FSDPConfig.sharding_strategy: unknown sharding strategy 9"),
@@ -447,6 +560,36 @@ def test_from_config_checks_its_arguments() -> None:
         fshard.from_config(ToyBert(), {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block"})
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"fsdp_transformer_layer_cls_to_wrap": "ToyBert"},
+         "TRANSFORMER_BASED_WRAP (classes ToyBert) selects no submodule of ToyBert (the root is never one, nor a module without parameters); name block classes"),
+        ({"fsdp_transformer_layer_cls_to_wrap": "BertEncoder", "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"},
+         "SIZE_BASED_WRAP (fsdp_min_num_params: 100000000) selects no submodule of ToyBert (the root is never one, nor a module without parameters); lower fsdp_min_num_params"),
+    ],
+)  # fmt: skip
+def test_checkpointing_with_a_policy_that_selects_nothing_is_an_error(config: dict[str, Any], message: str) -> None:
+    # Like NO_WRAP with checkpointing: the key would silently do nothing. Raised before any
+    # process group is needed, with the model untouched.
+    model = ToyBert()
+    with pytest.raises(ValueError) as info:
+        fshard.from_config(model, {**config, "fsdp_activation_checkpointing": True})
+    assert str(info.value).startswith("fsdp_activation_checkpointing: true checkpoints the blocks the wrap policy selects, but ")
+    assert message in str(info.value)
+    assert str(info.value).endswith("or set fsdp_activation_checkpointing: false")
+
+
+def test_checkpointing_a_block_whose_forward_is_patched_fails_before_sharding() -> None:
+    model = ToyBert()
+    layer = model.encoder.layer[1]
+    layer.forward = layer.forward  # type: ignore[method-assign]  # e.g. a hook library patched it
+    with pytest.raises(ValueError, match=re.escape("fsdp_activation_checkpointing: the forward of 'encoder.layer.1' is already set on the instance")):
+        fshard.from_config(model, {"fsdp_transformer_layer_cls_to_wrap": "BertLayer", "fsdp_activation_checkpointing": True})
+    assert not any(fshard.is_sharded(p) for p in model.parameters())
+    assert "forward" not in model.encoder.layer[0].__dict__
+
+
 # Every spelling fshard accepts for an fsdp_config option (see [Note: accelerate key spellings]).
 SPELLINGS = [
     *(f"{prefix}{name}" for prefix in ("fsdp_", "") for name in (
@@ -477,6 +620,8 @@ def test_any_bad_value_of_any_spelling_names_that_key(key: str, value: Any, whol
 @given(key=st.from_regex(r"\A[a-z][a-z_]{0,20}\Z"), whole=st.booleans())
 def test_any_unknown_key_is_named(key: str, whole: bool) -> None:
     known = set(SPELLINGS) | {"fsdp_config", "distributed_type"}
+    no_equivalent = ("limit_all_gathers", "xla", "xla_fsdp_settings", "xla_fsdp_grad_ckpt", "xla_fsdp_v2")
+    known |= {f"{prefix}{name}" for prefix in ("", "fsdp_") for name in no_equivalent}
     assume(key not in known)
     data: dict[str, Any] = {"distributed_type": "FSDP", "fsdp_config": {key: 1}} if whole else {key: 1}
     with pytest.raises(ValueError, match=re.escape(f"unknown key {key!r}")):

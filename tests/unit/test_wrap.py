@@ -145,6 +145,17 @@ def test_ignored_params_do_not_count() -> None:
     assert select_modules(model, fshard.by_size(100), ignored_params=ignored) == ["1"]
 
 
+def test_select_modules_rejects_one_tensor_as_ignored_params() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    with pytest.raises(TypeError, match=r"select_modules\(Sequential\): ignored_params takes an iterable of parameters, got one tensor; pass \[param\]"):
+        select_modules(model, fshard.by_size(100), ignored_params=model[0].weight)  # type: ignore[arg-type]
+
+
+def test_select_modules_takes_a_generator_of_ignored_params() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    assert select_modules(model, fshard.by_size(100), ignored_params=model[0].parameters()) == ["1"]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "100", True])
 def test_by_size_rejects_bad_thresholds(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"by_size: min_num_params must be an int >= 0, got"):
@@ -254,6 +265,14 @@ def test_auto_shard_rejects_unknown_fully_shard_arguments_before_sharding() -> N
     model = TinyTransformer(TransformerSpec())
     with pytest.raises(TypeError, match=r"auto_shard: .*'mseh'.*fully_shard takes: mesh, reshard_after_forward"):
         fshard.auto_shard(model, policy=fshard.by_class(Block), mseh=None)
+    assert not any(fshard.is_sharded(p) for p in model.parameters())
+
+
+def test_auto_shard_rejects_one_tensor_as_ignored_params_before_sharding() -> None:
+    # list(tensor) would give its rows, so the parameter would silently be sharded after all.
+    model = TinyTransformer(TransformerSpec())
+    with pytest.raises(TypeError, match=r"auto_shard\(TinyTransformer\): ignored_params takes an iterable of parameters, got one tensor; pass \[param\] \(or a module's \.parameters\(\)\)"):
+        fshard.auto_shard(model, policy=fshard.by_class(Block), ignored_params=model.blocks[0].fc.weight)
     assert not any(fshard.is_sharded(p) for p in model.parameters())
 
 
