@@ -10,9 +10,13 @@ autograd Function on the inputs says so, at the same point of the backward on ev
 included). Then the unit is freed and its gradients reduced, in that order, so the reduce's
 full-size input never coexists with the gathered params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
-on those ranks, which would reduce later than the others and pair the wrong collectives. A unit
-with no input requiring grad (the first one), or called once without one, has no such moment:
-it is reduced when the backward ends, with the others left then, in one order on every rank. Its params are freed
+on those ranks, which would reduce later than the others and pair the wrong collectives. A forward run
+without grad on inputs requiring it (inside a reentrant checkpoint) arms that identity when its
+recompute runs in backward; until then the unit is not done. A unit with no input requiring
+grad (the first one), called once without one, or whose inputs sit in a list or dict (which the
+identity cannot replace), has no such moment: it is reduced when the backward ends if it ran
+(not if gradients arrived here: the same decision on every rank), with the others left then, in
+one order on every rank. Its params are freed
 earlier, once every param that requires grad has its gradient (a post-accumulate-grad hook
 counts them), unless it has frozen params (nothing says when they are no longer needed: a
 tensor may reach the forward other than as an argument) or its reentrant checkpoint ran a
@@ -521,6 +525,9 @@ class ParamGroup:
         # A forward with grad ran without an input requiring grad: that call's backward has no
         # moment of its own to say it is done, so the unit is reduced when the backward ends.
         self.unwaited_forward = False
+        # Forwards that ran without grad on inputs requiring it (inside a reentrant
+        # checkpoint): each recompute in backward arms the waiter they could not.
+        self.checkpointed_calls = 0
         self._reduced = False
         self._freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
@@ -549,7 +556,7 @@ class ParamGroup:
             if self._grads_accumulated == self.num_grad_params:
                 self._free_without_reduce()
             return
-        if all(w.ready for w in self._waiters):
+        if self.checkpointed_calls == 0 and all(w.ready for w in self._waiters):
             self.post_backward()
             self._maybe_finish_backward()  # reduced already (end of a retained backward): free
 
@@ -616,14 +623,18 @@ class ParamGroup:
             return True
         # Gradients from a nested backward (a reentrant checkpoint within the unit's forward)
         # and no input to tell when the outer backward is done with the params: another
-        # recompute may still need them, so they stay until the backward ends.
-        return self._nested_grads
+        # recompute may still need them, so they stay until the backward ends. So do they
+        # while a reentrant checkpoint around the unit has a recompute to come (freeing them
+        # on the ranks whose count is complete would make only those gather again for it).
+        return self._nested_grads or self.checkpointed_calls > 0
 
     def _maybe_finish_backward(self) -> None:
         grads_done = self._reduced or self.num_grad_params == 0
         waiting = len(self._waiters) > 0
         if not grads_done or (waiting and not all(w.ready for w in self._waiters)):
             return
+        if self.checkpointed_calls > 0:
+            return  # a recompute to come reads the params (see _frozen_or_nested_keep)
         if not waiting and self._frozen_or_nested_keep():
             return
         self.reshard()

@@ -573,7 +573,11 @@ class RootState:
                 syncing = group.requires_gradient_sync or group.reduce_scatter_while_accumulating
                 # Also a unit reduced already: gradients that arrived after its reduce (reentrant
                 # checkpointing runs one nested backward per forward) are reduced now and added.
-                if syncing and group.has_unsharded_grads():
+                # Decided by what every rank knows alike (whether the unit ran and was reduced),
+                # not by whether gradients arrived here: a param used on some ranks only.
+                if syncing and (
+                    group.has_unsharded_grads() or (group.ran_since_backward and not group._reduced)
+                ):
                     group._reduced = True
                     group.reduce_grads()
                 elif not syncing:
@@ -757,9 +761,19 @@ def _pre_forward(
         _lazy_init(group)
     root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init
     if in_backward():
-        # Activation-checkpoint recompute inside backward: gather, but arm nothing.
+        # Activation-checkpoint recompute inside backward: gather and cast as the forward did,
+        # but arm nothing...
         group.unshard()
-        return None
+        args, kwargs = _cast_inputs(group, args, kwargs)
+        if group.checkpointed_calls > 0 and torch.is_grad_enabled():
+            # ...except, for a reentrant checkpoint's recompute of a forward that ran without
+            # grad on inputs requiring it, the waiter that forward could not arm: the nested
+            # backward that follows computes those inputs' gradients.
+            wrapped = _wrap_inputs(group, args, kwargs)
+            if wrapped is not None:
+                group.checkpointed_calls -= 1
+                return wrapped
+        return args, kwargs
     if root.root is group:
         root.on_root_pre_forward()
     if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
@@ -774,46 +788,79 @@ def _pre_forward(
             group.forward_seq = _SEQUENCE_NR()
     for target in root.forward_targets(group):
         target.unshard(async_op=True)
-    plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common call
-    mp = group.mp_policy
-    if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-        if plain:
-            dtype = mp.param_dtype
-            args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-        else:
-            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+    args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
+        if _any_requires_grad(args, kwargs):
+            # Inside a reentrant checkpoint (or under no_grad): its recompute, if one comes in
+            # backward, arms the waiter; until then the unit's backward is not done.
+            group.checkpointed_calls += 1
         return args, kwargs
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
-    if plain:
+    wrapped = _wrap_inputs(group, args, kwargs)
+    if wrapped is None:
+        group.unwaited_forward = True
+        return args, kwargs
+    return wrapped
+
+
+def _cast_inputs(
+    group: ParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The floating-point inputs in ``MixedPrecision.param_dtype`` (with cast_forward_inputs)."""
+    mp = group.mp_policy
+    if mp is None or mp.param_dtype is None or not mp.cast_forward_inputs:
+        return args, kwargs
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+        dtype = mp.param_dtype
+        return tuple(a.to(dtype) if a.is_floating_point() else a for a in args), kwargs
+    cast: tuple[tuple[Any, ...], dict[str, Any]] = _cast_floating((args, kwargs), mp.param_dtype)
+    return cast
+
+
+def _any_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    found = False
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        nonlocal found
+        found = found or t.requires_grad
+        return t
+
+    _in_tuples((*args, *kwargs.values()), note)
+    return found
+
+
+def _wrap_inputs(
+    group: ParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The inputs with those requiring grad passed through ``_InputsGradReady`` (a waiter of
+    ``group``), or None if none requires grad.
+
+    Arguments, keyword arguments and tuples in them, which a unit cannot change, so giving it
+    new ones is invisible (a tensor passed twice is wrapped once). Not inside lists, dicts,
+    dataclasses or other objects: a unit may write into the caller's container, so it must get
+    that very object (such a unit is reduced when the backward ends).
+    """
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
         positions = [i for i, a in enumerate(args) if a.requires_grad]
-        if positions:
-            wrapped = _InputsGradReady.apply(group, *(args[i] for i in positions))
-            new_args = list(args)
-            for i, tensor in zip(positions, wrapped, strict=True):
-                new_args[i] = tensor
-            args = tuple(new_args)
-        else:
-            group.unwaited_forward = True
-    else:
-        # Arguments, keyword arguments and tuples in them, which a unit cannot change, so
-        # giving it new ones is invisible (a tensor passed twice is wrapped once). Not inside
-        # lists, dicts, dataclasses or other objects: a unit may write into the caller's
-        # container, so it must get that very object (such a unit, if frozen, is freed when
-        # backward ends instead).
-        needing: dict[int, torch.Tensor] = {}
-        _in_tuples(
-            (*args, *kwargs.values()),
-            lambda t: needing.setdefault(id(t), t) if t.requires_grad else t,
-        )
-        if needing:
-            wrapped = _InputsGradReady.apply(group, *needing.values())
-            by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
-            args = _in_tuples(args, lambda t: by_id.get(id(t), t))
-            kwargs = {k: _in_tuples(v, lambda t: by_id.get(id(t), t)) for k, v in kwargs.items()}
-        else:
-            group.unwaited_forward = True
+        if not positions:
+            return None
+        wrapped = _InputsGradReady.apply(group, *(args[i] for i in positions))
+        new_args = list(args)
+        for i, tensor in zip(positions, wrapped, strict=True):
+            new_args[i] = tensor
+        return tuple(new_args), kwargs
+    needing: dict[int, torch.Tensor] = {}
+    _in_tuples(
+        (*args, *kwargs.values()),
+        lambda t: needing.setdefault(id(t), t) if t.requires_grad else t,
+    )
+    if not needing:
+        return None
+    wrapped = _InputsGradReady.apply(group, *needing.values())
+    by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
+    args = _in_tuples(args, lambda t: by_id.get(id(t), t))
+    kwargs = {k: _in_tuples(v, lambda t: by_id.get(id(t), t)) for k, v in kwargs.items()}
     return args, kwargs
 
 
@@ -960,8 +1007,6 @@ def _pre_backward_side(group: ParamGroup, grad: torch.Tensor | None) -> None:
     """``_pre_backward`` for a tensor left in an attribute: gathers for it only before the
     unit's own backward has run (a tensor upstream of the unit, its input kept in an attribute,
     gets its gradient after that and needs no parameters)."""
-    if group._reduced or group._freed_in_backward:
-        return None
     return _pre_backward(group, grad)
 
 
@@ -975,6 +1020,12 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
             "parameters when the backward ends, and the graph it builds would read them later. "
             "Higher-order gradients are not supported through sharded units."
         )
+    if group._reduced or group._freed_in_backward:
+        # Its backward is over here: every gradient arrived (it was freed, on the ranks where
+        # the count is complete) or it was reduced. A later hook (an output made before its
+        # params were read) needs no params, and gathering again only here would leave the
+        # other ranks' all-gathers unpaired.
+        return None
     root.ensure_final_callback()
     if group.backward_task is None:
         group.backward_task = torch._C._current_graph_task_id()

@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 import fshard
-from fshard.testing import get_pool, mesh_for
+from fshard.testing import get_pool, mesh_for, trace_collectives
 from tests.dist.test_memory import _MayFail
 from tests.dist.test_usage_cases import _assert_params_equal, _beside_ddp, _sgd, _train_side_by_side
 
@@ -287,6 +288,133 @@ def test_params_used_on_one_rank_in_a_unit_without_grad_requiring_inputs_equal_d
     the end, in one order on every rank (reducing it once its count was complete paired the
     wrong collectives on ranks where an expert went unused)."""
     assert all(get_pool(2).run(_frozen_input_worker))
+
+
+class _Adapter(nn.Module):
+    """A frozen base and a trainable expert that rank 0 alone routes to. Takes a tensor or, in
+    a dict, ``{"h": tensor}``; ``two_outputs`` also returns a skip made before the expert."""
+
+    def __init__(self, two_outputs: bool = False) -> None:
+        super().__init__()
+        self.two_outputs = two_outputs
+        self.base = nn.Linear(6, 6).requires_grad_(False)
+        self.expert = nn.Linear(6, 6)
+
+    def forward(self, x):
+        x = x["h"] if isinstance(x, dict) else x
+        skip = x * 2
+        h = torch.tanh(self.base(x)) + x
+        if dist.get_rank() == 0:
+            h = h + self.expert(h)
+        return (h, skip) if self.two_outputs else h
+
+
+class _NoMoment(nn.Module):
+    """Units whose backward has no moment shared by every rank before it ends (an input in a
+    dict, a reentrant checkpoint's forward run without grad, a call on a frozen embedding)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Linear(6, 6)
+        self.inp = nn.Linear(6, 6)
+        self.block = _Adapter(two_outputs=how == "dict_two_outputs")
+        self.block2 = _Adapter()
+        self.head = nn.Linear(6, 2)
+        if how == "mixed_calls":
+            self.embed.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.how == "dict":
+            h = self.block({"h": h})
+        elif self.how == "dict_two_outputs":
+            out, skip = self.block({"h": h})
+            h = out + skip
+        elif self.how == "reentrant":
+            h = checkpoint(self.block, h, use_reentrant=True)
+        elif self.how == "reentrant_twice":
+            h = checkpoint(self.block, checkpoint(self.block, h, use_reentrant=True), use_reentrant=True)
+        elif self.how == "mixed_calls":
+            h = self.block(self.embed(x)) * self.block(h)
+        return self.head(self.block2(h))
+
+
+def _averaged_like_ddp(model: nn.Module) -> None:
+    """DDP(find_unused_parameters=True)'s averaging by hand (DDP refuses a param that a
+    reentrant checkpoint uses twice)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            seen = torch.tensor([float(p.grad is not None)])
+            dist.all_reduce(seen)
+            if seen.item():
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad)
+                p.grad = grad / dist.get_world_size()
+
+
+def _no_moment_worker(how: str) -> bool:
+    torch.manual_seed(0)
+    reference = _NoMoment(how)
+    model = copy.deepcopy(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    for unit in (model.block, model.block2):
+        fshard.fully_shard(unit, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    opts = _sgd(reference, model)
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        for m in (reference, model):
+            m(x).pow(2).mean().backward()
+        _averaged_like_ddp(reference)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert fshard.memory_stats().gathered_bytes == 0
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("how", ["dict", "dict_two_outputs", "reentrant", "reentrant_twice", "mixed_calls"])
+def test_params_used_on_one_rank_in_units_without_a_moment_of_their_own(how):
+    """Every rank reduces such a unit when the backward ends if it ran (not only the ranks
+    where gradients arrived), gathers it again for a reentrant recompute on every rank (not
+    only where its count was complete and it was freed), and skips the hook of an output made
+    before its params were read on every rank: each was a hang."""
+    assert all(get_pool(2).run(_no_moment_worker, how, timeout=60))
+
+
+def _reentrant_order_worker() -> list[tuple[str, str]]:
+    torch.manual_seed(0)
+    model = _Chain(lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh()), count=4)
+    mesh = mesh_for((dist.get_world_size(),))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    inner = model.forward
+
+    def checkpointed(x: torch.Tensor) -> torch.Tensor:
+        h = model.inp(x)
+        for block in model.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return model.head(h)
+
+    model.forward = checkpointed
+    loss = model(torch.randn(3, 6)).pow(2).mean()
+    with trace_collectives() as records:
+        loss.backward()
+    model.forward = inner
+    return [(r.op, r.label) for r in records]
+
+
+def test_reentrant_checkpointed_units_are_reduced_during_the_backward():
+    """A reentrant checkpoint's recompute arms the unit's input waiter, so each block is
+    reduced once its recompute's backward is done, not all at the end (which held every
+    block's full gradients at once, DDP's memory)."""
+    for records in get_pool(2).run(_reentrant_order_worker):
+        order = [f"{op}:{label}" for op, label in records if label.startswith("blocks")]
+        for i in (3, 2, 1):
+            assert order.index(f"reduce_scatter:blocks.{i}") < order.index(f"all_gather:blocks.{i - 1}"), order
 
 
 # ------------------------------------------------------- calling a part of the model on its own

@@ -204,3 +204,50 @@ def test_unsynced_accumulation_sums_in_the_reduce_dtype(mesh_shape):
     for a, b in zip(full, sharded, strict=True):
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _CheckpointedBlocks(nn.Module):
+    """An fp32 root around bf16 blocks, each block called through activation checkpointing."""
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.use_reentrant is None:
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+def _checkpointed_mp_worker(use_reentrant: bool) -> bool:
+    torch.manual_seed(0)
+    plain, model = _CheckpointedBlocks(None), _CheckpointedBlocks(use_reentrant)
+    model.load_state_dict(plain.state_dict())
+    mesh = mesh_for((2,))
+    policy = fshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    for m in (plain, model):
+        for block in m.blocks:
+            fshard.fully_shard(block, mesh=mesh, mp_policy=policy)
+        fshard.fully_shard(m, mesh=mesh)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for m in (plain, model):
+        m(x).pow(2).mean().backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_checkpointed_unit_recomputes_on_inputs_cast_as_in_its_forward(use_reentrant):
+    """The recompute in backward casts the unit's fp32 inputs to its param_dtype as its forward
+    did (it ran on the fp32 inputs: a dtype error against the bf16 weights)."""
+    assert all(get_pool(2).run(_checkpointed_mp_worker, use_reentrant))
