@@ -11,8 +11,9 @@ included). Then the unit is freed and its gradients reduced, in that order, so t
 full-size input never coexists with the gathered params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
 on those ranks, which would reduce later than the others and pair the wrong collectives. A forward run
-without grad on inputs requiring it (inside a reentrant checkpoint) arms that identity when its
-recompute runs in backward; until then the unit is not done. A unit with no input requiring
+without grad inside a forward with grad, or on inputs requiring grad (a reentrant checkpoint's
+segment), arms that identity when its recompute runs in backward; until then the unit is not
+done, and stays gathered once gathered for it. A unit with no input requiring
 grad (the first one), called once without one, or whose inputs sit in a list or dict (which the
 identity cannot replace), has no such moment: it is reduced when the backward ends if it ran
 (not if gradients arrived here: the same decision on every rank), with the others left then, in

@@ -790,9 +790,10 @@ def _pre_forward(
         target.unshard(async_op=True)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
-        if _any_requires_grad(args, kwargs):
-            # Inside a reentrant checkpoint (or under no_grad): its recompute, if one comes in
-            # backward, arms the waiter; until then the unit's backward is not done.
+        if root._grad_forward_pending or _any_requires_grad(args, kwargs):
+            # Without grad inside a forward with grad (a reentrant checkpoint's segment, or
+            # no_grad), or on inputs requiring grad: a recompute, if one comes in backward,
+            # arms the waiter; until then the unit's backward is not done (every rank alike).
             group.checkpointed_calls += 1
         return args, kwargs
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's

@@ -323,6 +323,8 @@ class _NoMoment(nn.Module):
         self.head = nn.Linear(6, 2)
         if how == "mixed_calls":
             self.embed.requires_grad_(False)
+        if how == "segment_twice":
+            self.block2.base.requires_grad_(True)  # no frozen param to keep it gathered anyway
 
     def forward(self, x):
         h = self.inp(x)
@@ -337,6 +339,9 @@ class _NoMoment(nn.Module):
             h = checkpoint(self.block, checkpoint(self.block, h, use_reentrant=True), use_reentrant=True)
         elif self.how == "mixed_calls":
             h = self.block(self.embed(x)) * self.block(h)
+        elif self.how == "segment_twice":  # block2's input needs no grad in the first forward
+            segment = lambda t: self.block2(self.block(t))  # noqa: E731
+            return self.head(checkpoint(segment, checkpoint(segment, h, use_reentrant=True), use_reentrant=True))
         return self.head(self.block2(h))
 
 
@@ -375,7 +380,9 @@ def _no_moment_worker(how: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("how", ["dict", "dict_two_outputs", "reentrant", "reentrant_twice", "mixed_calls"])
+@pytest.mark.parametrize(
+    "how", ["dict", "dict_two_outputs", "reentrant", "reentrant_twice", "segment_twice", "mixed_calls"]
+)
 def test_params_used_on_one_rank_in_units_without_a_moment_of_their_own(how):
     """Every rank reduces such a unit when the backward ends if it ran (not only the ranks
     where gradients arrived), gathers it again for a reentrant recompute on every rank (not
