@@ -965,13 +965,19 @@ def _own_modules(group: ParamGroup) -> list[nn.Module]:
     return group.own_modules
 
 
+# Public attribute values looked at on every forward: containers a tensor may sit in, and what
+# an attribute may hold until a forward puts a tensor there without adding an attribute (None,
+# a number: `self.aux_loss = 0.0`).
+_MAY_BECOME = (list, tuple, dict, float, int)
+
+
 def _made_since(group: ParamGroup, start: int) -> list[torch.Tensor]:
     """Tensors with autograd history created since sequence number ``start`` that the unit's own
     modules hold in attributes, directly or in a public list, tuple or dict attribute.
 
-    Which attributes can hold one is worked out per module once, and again only when the
-    module gains or loses attributes: most modules have none, and a scan of every attribute of
-    every module on every forward would cost more than the rest of the unit's hooks."""
+    Which attributes can hold one (or become one: None, a number) is worked out per module
+    once, and again only when the module gains or loses attributes: a scan of every attribute
+    of every module on every forward would cost more than the rest of the unit's hooks."""
     found: list[torch.Tensor] = []
     modules = _own_modules(group)
     index = group.attr_index
@@ -985,7 +991,7 @@ def _made_since(group: ParamGroup, start: int) -> list[torch.Tensor]:
                 name
                 for name, value in attrs.items()
                 if type(value) is torch.Tensor
-                or (not name.startswith("_") and (value is None or type(value) in (list, tuple, dict)))
+                or (not name.startswith("_") and (value is None or type(value) in _MAY_BECOME))
             )
             index[i] = (len(attrs), names)
         for name in names:

@@ -154,44 +154,56 @@ class _Chain(nn.Module):
 
 class _Expert(nn.Module):
     """An MoE-style block: returns its hidden state and leaves its auxiliary losses, computed
-    from its own parameters *after* the output, in attributes for the model to collect."""
+    from its own parameters *after* the output, in attributes for the model to collect. With
+    ``aux_start`` the z-loss is that number on the first step (switched on later), and there
+    is no penalty (whose hook would gather the unit for the z-loss too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aux_start: float | None = None) -> None:
         super().__init__()
         self.lin = nn.Linear(6, 6)
         self.router = nn.Linear(6, 3)
-        self.aux: torch.Tensor | None = None
+        self.aux_start = aux_start
+        self.penalty = aux_start is None
+        self.aux: torch.Tensor | float | None = None
         self.extra_losses: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x + torch.tanh(self.lin(x))
-        self.aux = self.router(out).logsumexp(-1).pow(2).mean()  # a z-loss on router logits
-        self.extra_losses = [self.router.weight.pow(2).sum()]  # a penalty, in a list
+        if self.aux_start is not None:
+            self.aux, self.aux_start = self.aux_start, None
+        else:
+            self.aux = self.router(out).logsumexp(-1).pow(2).mean()  # a z-loss on router logits
+        if self.penalty:
+            self.extra_losses = [self.router.weight.pow(2).sum()]  # a penalty, in a list
         return out
 
 
 class _ExpertNet(_Chain):
-    def __init__(self) -> None:
-        super().__init__(_Expert)
+    def __init__(self, aux_start: float | None = None) -> None:
+        super().__init__(functools.partial(_Expert, aux_start))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        aux = sum(block.aux + 0.1 * block.extra_losses[0] for block in self.blocks)
+        aux = sum(block.aux + 0.1 * sum(block.extra_losses) for block in self.blocks)
         return out.pow(2).mean() + 0.01 * aux
 
 
-def _aux_worker(mesh_shape: tuple[int, ...]) -> bool:
-    ddp, model, reference = _beside_ddp(_ExpertNet, lambda m: m.blocks, mesh_shape=mesh_shape)
+def _aux_worker(mesh_shape: tuple[int, ...], aux_start: float | None) -> bool:
+    build = functools.partial(_ExpertNet, aux_start)
+    ddp_kwargs = {"find_unused_parameters": aux_start is not None}  # no router on step 1
+    ddp, model, reference = _beside_ddp(build, lambda m: m.blocks, mesh_shape=mesh_shape, ddp_kwargs=ddp_kwargs)
     _train_side_by_side((ddp, model), _sgd(ddp, model), (4, 6), steps=3, loss=lambda m, x: m(x))
     _assert_params_equal(model, reference)
     return True
 
 
+@pytest.mark.parametrize("aux_start", [None, 0.0])
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
-def test_auxiliary_losses_left_in_module_attributes_equal_ddp(mesh_shape):
+def test_auxiliary_losses_left_in_module_attributes_equal_ddp(mesh_shape, aux_start):
     """Autograd may run the backward of a tensor the unit's forward left in an attribute
-    before the unit's outputs get their gradient: fshard gathers the unit for it too."""
-    assert all(get_pool(math.prod(mesh_shape)).run(_aux_worker, mesh_shape))
+    before the unit's outputs get their gradient: fshard gathers the unit for it too, also
+    where the attribute held a number before (its module's attribute count is unchanged)."""
+    assert all(get_pool(math.prod(mesh_shape)).run(_aux_worker, mesh_shape, aux_start))
 
 
 # ------------------------------------------------------------- a unit changing its input in place
