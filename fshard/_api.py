@@ -50,6 +50,17 @@ logger = logging.getLogger("fshard")
 M = TypeVar("M", bound=nn.Module)
 
 
+def ignored_param_list(ignored: Iterable[nn.Parameter] | None, where: str) -> list[nn.Parameter]:
+    """``ignored_params`` as a list; one tensor is an error (``list()`` would iterate its rows,
+    which are not the parameter, so it would be sharded after all)."""
+    if isinstance(ignored, torch.Tensor):
+        raise TypeError(
+            f"{where}: ignored_params takes an iterable of parameters, got one tensor; pass "
+            "[param] (or a module's .parameters())"
+        )
+    return list(ignored) if ignored is not None else []
+
+
 def fully_shard(
     module: M,
     *,
@@ -115,12 +126,7 @@ def fully_shard(
             "call fully_shard once per module"
         )
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
-    if isinstance(ignored_params, torch.Tensor):
-        raise TypeError(
-            f"{where}: ignored_params takes an iterable of parameters, got one tensor; pass "
-            "[param] (or a module's .parameters())"
-        )
-    ignored_list = list(ignored_params) if ignored_params is not None else []
+    ignored_list = ignored_param_list(ignored_params, where)
     ignored = {id(p) for p in ignored_list}
 
     if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
@@ -489,8 +495,8 @@ def clip_grad_norm_(
     dispatch), and torch's function would clip each rank by the norm of its own shards only.
 
     ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
-    every rank. ``foreach`` is accepted for
-    compatibility with torch's signature: the clipping always uses the ``_foreach`` kernels.
+    every rank. ``foreach`` is accepted for compatibility with torch's signature: the clipping
+    always uses the ``_foreach`` kernels.
 
     Example:
         >>> loss.backward()                                                  # doctest: +SKIP

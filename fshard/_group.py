@@ -10,22 +10,25 @@ autograd Function on the inputs says so, at the same point of the backward on ev
 included). Then the unit is freed and its gradients reduced, in that order, so the reduce's
 full-size input never coexists with the gathered params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
-on those ranks, which would reduce later than the others and pair the wrong collectives. A forward run
-without grad inside a forward with grad, or on inputs requiring grad (a reentrant checkpoint's
-segment), arms that identity when its recompute runs in backward; until then the unit is not
-done, and stays gathered once gathered for it. A unit with no input requiring
-grad (the first one), called once without one, or whose inputs sit in a list or dict (which the
-identity cannot replace), has no such moment: it is reduced when the backward ends if it ran
-(not if gradients arrived here: the same decision on every rank), with the others left then, in
-one order on every rank. Its params are freed
-earlier, once every param that requires grad has its gradient (a post-accumulate-grad hook
-counts them), unless it has frozen params (nothing says when they are no longer needed: a
-tensor may reach the forward other than as an argument) or its reentrant checkpoint ran a
-nested backward (another recompute may still need its params). A unit
-whose forward ran but whose backward never finished (a parameter left unused this step, an
-output that reached no loss) is finished by the root's end-of-backward callback instead, with
-zeros standing in for missing gradients so that every rank packs the same reduce-scatter; so
-are gradients that arrive after a unit was reduced. The identity's outputs are views that
+on those ranks, which would reduce later than the others and pair the wrong collectives.
+
+A forward run without grad inside a forward with grad, or on inputs requiring grad (a
+reentrant checkpoint's segment), arms that identity when its recompute runs in backward; until
+then the unit is not done, and stays gathered once gathered for it.
+
+A unit with no input requiring grad (the first one), called once without one, or whose inputs
+sit in a list or dict (which the identity cannot replace), has no such moment: it is reduced
+when the backward ends if it ran (not if gradients arrived here: the same decision on every
+rank), with the others left then, in one order on every rank. Its params are freed earlier,
+once every param that requires grad has its gradient (a post-accumulate-grad hook counts them),
+unless it has frozen params (nothing says when they are no longer needed: a tensor may reach
+the forward other than as an argument) or its reentrant checkpoint ran a nested backward
+(another recompute may still need its params).
+
+A unit whose forward ran but whose backward never finished (a parameter left unused this step,
+an output that reached no loss) is finished by the root's end-of-backward callback instead,
+with zeros standing in for missing gradients so that every rank packs the same reduce-scatter;
+so are gradients that arrive after a unit was reduced. The identity's outputs are views that
 autograd forbids changing in place: a unit must not change its input in place.
 """
 
@@ -634,10 +637,8 @@ class ParamGroup:
         waiting = len(self._waiters) > 0
         if not grads_done or (waiting and not all(w.ready for w in self._waiters)):
             return
-        if self.checkpointed_calls > 0:
-            return  # a recompute to come reads the params (see _frozen_or_nested_keep)
-        if not waiting and self._frozen_or_nested_keep():
-            return
+        if self.checkpointed_calls > 0 or (not waiting and self._frozen_or_nested_keep()):
+            return  # (a recompute to come, frozen params or a nested backward may read them)
         self.reshard()
         if not self._freed_in_backward:
             self._freed_in_backward = True

@@ -913,11 +913,9 @@ def _post_forward(
             # a penalty) may reach the loss without passing the outputs: their backward needs
             # the params too, and may run first.
             returned = {id(t) for t in leaves}
-            side_hook = None
             for tensor in _made_since(group, group.forward_seq):
                 if id(tensor) not in returned:
-                    side_hook = side_hook or _UncompiledUnitHook(_pre_backward_side, group)
-                    tensor.register_hook(side_hook)
+                    tensor.register_hook(hook)
         if not leaves and group.may_need_params_in_backward():
             # No tensor returned to hang the re-gather on (the result went into an attribute,
             # or an object fshard cannot look into), yet autograd may have saved the gathered
@@ -1010,13 +1008,6 @@ def _made_since(group: ParamGroup, start: int) -> list[torch.Tensor]:
     return found
 
 
-def _pre_backward_side(group: ParamGroup, grad: torch.Tensor | None) -> None:
-    """``_pre_backward`` for a tensor left in an attribute: gathers for it only before the
-    unit's own backward has run (a tensor upstream of the unit, its input kept in an attribute,
-    gets its gradient after that and needs no parameters)."""
-    return _pre_backward(group, grad)
-
-
 def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
     if torch.is_grad_enabled():
@@ -1030,8 +1021,8 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     if group._reduced or group._freed_in_backward:
         # Its backward is over here: every gradient arrived (it was freed, on the ranks where
         # the count is complete) or it was reduced. A later hook (an output made before its
-        # params were read) needs no params, and gathering again only here would leave the
-        # other ranks' all-gathers unpaired.
+        # params were read, an input kept in an attribute) needs no params, and gathering
+        # again only here would leave the other ranks' all-gathers unpaired.
         return None
     root.ensure_final_callback()
     if group.backward_task is None:

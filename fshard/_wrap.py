@@ -25,11 +25,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fshard._api import _CONTAINERS, fully_shard
+from fshard._api import _CONTAINERS, fully_shard, ignored_param_list
 from fshard._errors import ProblemList
 from fshard._sharded import is_sharded
 
@@ -233,7 +232,7 @@ def select_modules(
     policy = _check_policy(policy, "select_modules")
     if isinstance(policy, ByClass):
         policy = policy.resolve(model)
-    owned: set[int] = {id(p) for p in _ignored_list(ignored_params, f"select_modules({type(model).__name__})")}
+    owned: set[int] = {id(p) for p in ignored_param_list(ignored_params, f"select_modules({type(model).__name__})")}
     owned.update(id(p) for p in model.parameters() if is_sharded(p))
     visited: set[int] = {id(model)}
     selected: list[str] = []
@@ -291,7 +290,7 @@ def auto_shard(model: M, *, policy: Policy, **fully_shard_kwargs: Any) -> M:
     ignored = fully_shard_kwargs.get("ignored_params")
     if ignored is not None:
         # Listed once: a generator must feed both select_modules and every fully_shard call.
-        ignored = _ignored_list(ignored, f"auto_shard({type(model).__name__})")
+        ignored = ignored_param_list(ignored, f"auto_shard({type(model).__name__})")
         fully_shard_kwargs["ignored_params"] = ignored
     fqns = select_modules(model, policy, ignored_params=ignored)
     logger.info(
@@ -316,17 +315,6 @@ def _is_module_type(obj: object) -> bool:
 def _class_matches(cls: type, names: tuple[str, ...]) -> bool:
     qualified = f"{cls.__module__}.{cls.__qualname__}"
     return any(name in (cls.__name__, qualified) for name in names)
-
-
-def _ignored_list(ignored: Iterable[nn.Parameter] | None, where: str) -> list[nn.Parameter]:
-    # list() of one tensor would iterate its rows, which are not the parameter: every check
-    # by identity would then miss it and the parameter would be sharded after all.
-    if isinstance(ignored, torch.Tensor):
-        raise TypeError(
-            f"{where}: ignored_params takes an iterable of parameters, got one tensor; pass "
-            "[param] (or a module's .parameters())"
-        )
-    return list(ignored) if ignored is not None else []
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
