@@ -254,7 +254,10 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
     (runs / "step-100" / "weights.bin").write_bytes(b"precious")
     a_file = tmp_path / "model.pt"
     a_file.write_bytes(b"torch.save output")
-    for path, why in ((runs, "is not an fshard checkpoint"), (a_file, "is not a directory")):
+    link = tmp_path / "latest"
+    link.symlink_to(runs)
+    cases = ((runs, "is not an fshard checkpoint"), (a_file, "is not a directory"), (link, "is a symbolic link"))
+    for path, why in cases:
         for message in get_pool(2).run(_save_expecting_error, str(path)):
             assert message is not None and why in message and str(path) in message, message
     assert (runs / "notes.txt").read_text() == "mine"
@@ -264,7 +267,7 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
     get_pool(2).run(_save_only_task, str(tmp_path / "empty"))
     assert ckpt.is_complete(tmp_path / "empty")
     get_pool(2).run(_save_only_task, str(tmp_path / "empty"))  # and a checkpoint is replaced
-    assert sorted(os.listdir(tmp_path)) == ["empty", "model.pt", "runs"]
+    assert sorted(os.listdir(tmp_path)) == ["empty", "latest", "model.pt", "runs"]
 
 
 def _failing_write_task(path):
