@@ -537,6 +537,7 @@ class ParamGroup:
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
         self._nested_grads = False  # some gradient arrived in another (nested) graph task
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
+        self.inputs_grad_awaited = False  # one of them, with grad, had inputs requiring grad
 
     def end_backward(self) -> None:
         """Back to idle after a backward (or an aborted one): freed, bookkeeping forgotten."""
@@ -552,6 +553,7 @@ class ParamGroup:
     def add_input_waiter(self) -> InputWaiter:
         waiter = InputWaiter()
         self._waiters.add(waiter)
+        self.inputs_grad_awaited = True
         return waiter
 
     def on_inputs_grad_ready(self, waiter: InputWaiter) -> None:
@@ -570,6 +572,20 @@ class ParamGroup:
         knows alike: whether the unit was reduced, not whether it was freed early."""
         if not self._reduced:
             self.unshard(async_op=True)
+
+    def skipped_by_backward(self) -> bool:
+        """Whether this step's backward has nothing to do with this unit, so a backward
+        prefetch should pass it over: its forward did not run since the last backward (a
+        skipped block), or no parameter of it requires grad and no forward of it had inputs
+        requiring grad (a frozen embedding; a frozen teacher under ``torch.no_grad()`` inside
+        the training forward). Should its backward come all the same (a reentrant
+        checkpoint's recompute, a tensor that reached the forward another way), that gathers
+        the unit itself. Decided by the forwards that ran, which every rank runs alike."""
+        if self._reduced:
+            return False
+        return not self.ran_since_backward or (
+            self.num_grad_params == 0 and not self.inputs_grad_awaited
+        )
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
         self._grads_accumulated += 1

@@ -537,8 +537,24 @@ class RootState:
 
     def on_unit_backward_done(self, group: ParamGroup) -> None:
         """BACKWARD_POST prefetch: the next unit's gather starts once this one is freed."""
-        for target in self.backward_targets(group, BackwardPrefetch.BACKWARD_POST):
-            target.prefetch_for_backward()
+        self.prefetch_for_backward(group, BackwardPrefetch.BACKWARD_POST)
+
+    def prefetch_for_backward(self, group: ParamGroup, moment: BackwardPrefetch) -> None:
+        """Gather the units the backward reaches after ``group``'s, passing over those it has
+        nothing to do with this step (``skipped_by_backward``) for the ones after them: a
+        skipped unit gathered here would be held to the end of the backward, and the units
+        after it would lose their prefetch."""
+        seen = {id(group)}
+        pending = list(self.backward_targets(group, moment))
+        while pending:
+            target = pending.pop(0)
+            if id(target) in seen:
+                continue
+            seen.add(id(target))
+            if target.skipped_by_backward():
+                pending.extend(self.backward_targets(target, moment))
+            else:
+                target.prefetch_for_backward()
 
     def ensure_final_callback(self) -> None:
         if self._callback_queued or not in_backward():
@@ -1035,8 +1051,7 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
         return None
     group.training_state = TrainingState.PRE_BACKWARD
     group.unshard()
-    for target in root.backward_targets(group, BackwardPrefetch.BACKWARD_PRE):
-        target.prefetch_for_backward()
+    root.prefetch_for_backward(group, BackwardPrefetch.BACKWARD_PRE)
     return None
 
 

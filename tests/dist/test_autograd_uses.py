@@ -337,6 +337,8 @@ class _NoMoment(nn.Module):
             self.embed.requires_grad_(False)
         if how == "segment_twice":
             self.block2.base.requires_grad_(True)  # no frozen param to keep it gathered anyway
+        if how == "reentrant_frozen":  # a unit the backward prefetch passes over, recomputed
+            self.block.requires_grad_(False)
 
     def forward(self, x):
         h = self.inp(x)
@@ -345,7 +347,7 @@ class _NoMoment(nn.Module):
         elif self.how == "dict_two_outputs":
             out, skip = self.block({"h": h})
             h = out + skip
-        elif self.how == "reentrant":
+        elif self.how in ("reentrant", "reentrant_frozen"):
             h = checkpoint(self.block, h, use_reentrant=True)
         elif self.how == "reentrant_twice":
             h = checkpoint(self.block, checkpoint(self.block, h, use_reentrant=True), use_reentrant=True)
@@ -393,7 +395,8 @@ def _no_moment_worker(how: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "how", ["dict", "dict_two_outputs", "reentrant", "reentrant_twice", "segment_twice", "mixed_calls"]
+    "how",
+    ["dict", "dict_two_outputs", "reentrant", "reentrant_frozen", "reentrant_twice", "segment_twice", "mixed_calls"],
 )
 def test_params_used_on_one_rank_in_units_without_a_moment_of_their_own(how):
     """Every rank reduces such a unit when the backward ends if it ran (not only the ranks

@@ -321,3 +321,81 @@ def test_a_backward_gathers_and_reduces_each_unit_once(mode):
                 ops = [op for op, where in backward if where == label]
                 assert ops.count("reduce_scatter") == 1, (label, backward)
                 assert "all_gather" not in ops[ops.index("reduce_scatter"):], (label, backward)
+
+
+# ---------------------------------------- units a step's backward has nothing to do with
+
+
+class _PassedOver(nn.Module):
+    """Blocks ``0..3`` (units) between a frozen embedding unit and a head. ``skipped``: block 2
+    does not run after the first step; ``teacher``: a frozen ``teacher`` unit runs under
+    ``torch.no_grad()`` in the forward, its output the target; ``frozen_embedding``: the
+    embedding unit's output starts the blocks."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.steps = 0
+        self.embed = nn.Embedding(11, 6).requires_grad_(mode != "frozen_embedding")
+        self.teacher = nn.Linear(6, 6).requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        target = 0
+        if self.mode == "teacher":
+            with torch.no_grad():
+                target = self.teacher(x)
+        for i, block in enumerate(self.blocks):
+            if not (self.mode == "skipped" and i == 2 and self.steps > 0):
+                x = torch.tanh(block(x))
+        self.steps += 1
+        return self.head(x - target)
+
+
+def _passed_over_worker(mode: str) -> list[list[tuple[str, str]]]:
+    from tests.dist.test_usage_cases import _assert_params_equal, _sgd
+
+    ddp, model, reference = _beside_ddp_passed_over(mode)
+    optims = _sgd(ddp, model)
+    traces = []
+    for step in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        ddp(ids).pow(2).mean().backward()
+        loss = model(ids).pow(2).mean()
+        with trace_collectives() as records:
+            loss.backward()
+        traces.append([(r.op, r.label) for r in records])
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    return traces
+
+
+def _beside_ddp_passed_over(mode: str):
+    from tests.dist.test_usage_cases import _beside_ddp
+
+    return _beside_ddp(
+        functools.partial(_PassedOver, mode),
+        lambda m: (m.embed, m.teacher, *m.blocks),
+        ddp_kwargs={"find_unused_parameters": True},
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "passed_over"),
+    [("skipped", "blocks.2"), ("teacher", "teacher"), ("frozen_embedding", "embed")],
+)
+def test_backward_prefetch_passes_over_units_the_backward_does_not_reach(mode, passed_over):
+    """A unit that did not run this step, or a frozen one whose forward had no input needing
+    grad, is not gathered for the backward (it would be held to its end, and the unit before
+    it would lose its prefetch); the backward prefetches the next unit it reaches instead."""
+    # (the unit the backward reaches after the one passed over, and the unit it follows)
+    successor, after = {"skipped": ("blocks.1", "blocks.3"), "teacher": ("embed", "blocks.0")}.get(mode, (None, None))
+    for traces in get_pool(2).run(_passed_over_worker, mode):
+        for backward in traces[1:]:  # the first step records the order
+            assert ("all_gather", passed_over) not in backward, backward
+            if successor is not None:  # prefetched: gathered before the unit it follows reduces
+                assert backward.index(("all_gather", successor)) < backward.index(("reduce_scatter", after)), backward
