@@ -12,9 +12,11 @@ full-size input never coexists with the gathered params. Counting arrived gradie
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
 on those ranks, which would reduce later than the others and pair the wrong collectives.
 
-A forward run without grad inside a forward with grad, or on inputs requiring grad (a
-reentrant checkpoint's segment), arms that identity when its recompute runs in backward; until
-then the unit is not done, and stays gathered once gathered for it.
+A forward run without grad inside an autograd Function's forward, within a forward with grad
+or on inputs requiring grad (a reentrant checkpoint's segment), arms that identity when its
+recompute runs in backward; until then the unit is not done, and stays gathered once gathered
+for it. Without grad outside such a Function (a target computed under a plain no_grad), no
+backward will come for that call: it counts for nothing, as an inference forward.
 
 A unit with no input requiring grad (the first one), called once without one, or whose inputs
 sit in a list or dict (which the identity cannot replace), has no such moment: it is reduced
@@ -537,6 +539,7 @@ class ParamGroup:
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
         self._nested_grads = False  # some gradient arrived in another (nested) graph task
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
+        self.grad_forward_ran = False  # one of those forwards ran with grad
         self.inputs_grad_awaited = False  # one of them, with grad, had inputs requiring grad
 
     def end_backward(self) -> None:
@@ -576,15 +579,18 @@ class ParamGroup:
     def skipped_by_backward(self) -> bool:
         """Whether this step's backward has nothing to do with this unit, so a backward
         prefetch should pass it over: its forward did not run since the last backward (a
-        skipped block), or no parameter of it requires grad and no forward of it had inputs
-        requiring grad (a frozen embedding; a frozen teacher under ``torch.no_grad()`` inside
-        the training forward). Should its backward come all the same (a reentrant
-        checkpoint's recompute, a tensor that reached the forward another way), that gathers
-        the unit itself. Decided by the forwards that ran, which every rank runs alike."""
+        skipped block), or ran only without grad outside a reentrant checkpoint (a target
+        computed under ``torch.no_grad()`` inside the training forward), or no parameter of it
+        requires grad and no forward of it had inputs requiring grad (a frozen embedding, a
+        frozen teacher). Should its backward come all the same (a reentrant checkpoint's
+        recompute, a tensor that reached the forward another way), that gathers the unit
+        itself. Decided by the forwards that ran, which every rank runs alike."""
         if self._reduced:
             return False
-        return not self.ran_since_backward or (
-            self.num_grad_params == 0 and not self.inputs_grad_awaited
+        return (
+            not self.ran_since_backward
+            or (not self.grad_forward_ran and self.checkpointed_calls == 0)
+            or (self.num_grad_params == 0 and not self.inputs_grad_awaited)
         )
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:

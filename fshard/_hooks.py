@@ -806,12 +806,17 @@ def _pre_forward(
         target.unshard(async_op=True)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
-        if root._grad_forward_pending or _any_requires_grad(args, kwargs):
-            # Without grad inside a forward with grad (a reentrant checkpoint's segment, or
-            # no_grad), or on inputs requiring grad: a recompute, if one comes in backward,
-            # arms the waiter; until then the unit's backward is not done (every rank alike).
+        if (
+            root._grad_forward_pending or _any_requires_grad(args, kwargs)
+        ) and _in_autograd_function_forward():
+            # Without grad inside a forward with grad, or on inputs requiring grad, and within
+            # an autograd.Function's forward: a reentrant checkpoint's segment. Its recompute,
+            # if one comes in backward, arms the waiter; until then the unit's backward is not
+            # done (every rank alike). (Under a plain torch.no_grad(), a target computed by
+            # the model itself, no backward ever comes: the unit is freed as after inference.)
             group.checkpointed_calls += 1
         return args, kwargs
+    group.grad_forward_ran = True
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
     wrapped = _wrap_inputs(group, args, kwargs)
@@ -819,6 +824,22 @@ def _pre_forward(
         group.unwaited_forward = True
         return args, kwargs
     return wrapped
+
+
+def _in_autograd_function_forward() -> bool:
+    """Whether the caller runs inside the ``forward`` of a ``torch.autograd.Function``, as the
+    segment of a reentrant checkpoint does (torch's, DeepSpeed's, Megatron's or FairScale's
+    ``CheckpointFunction``): a frame named ``forward`` whose first argument is the Function's
+    ``ctx``. Only the forwards run without grad ask, so the walk costs nothing otherwise."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount > 0 and code.co_varnames[0] != "self":
+            first = frame.f_locals.get(code.co_varnames[0])  # (modules' forwards skipped)
+            if isinstance(first, torch.autograd.function.FunctionCtx):
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _cast_inputs(

@@ -321,6 +321,27 @@ class _Adapter(nn.Module):
         return (h, skip) if self.two_outputs else h
 
 
+class _OwnCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint of its own, as DeepSpeed and Megatron write theirs: the segment
+    runs without grad in ``forward`` and again with grad in ``backward``."""
+
+    @staticmethod
+    def forward(ctx, run, x):  # noqa: ANN001, ANN205
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
 class _NoMoment(nn.Module):
     """Units whose backward has no moment shared by every rank before it ends (an input in a
     dict, a reentrant checkpoint's forward run without grad, a call on a frozen embedding)."""
@@ -349,6 +370,8 @@ class _NoMoment(nn.Module):
             h = out + skip
         elif self.how in ("reentrant", "reentrant_frozen"):
             h = checkpoint(self.block, h, use_reentrant=True)
+        elif self.how == "reentrant_own":
+            h = _OwnCheckpoint.apply(self.block, h)
         elif self.how == "reentrant_twice":
             h = checkpoint(self.block, checkpoint(self.block, h, use_reentrant=True), use_reentrant=True)
         elif self.how == "mixed_calls":
@@ -396,7 +419,16 @@ def _no_moment_worker(how: str) -> bool:
 
 @pytest.mark.parametrize(
     "how",
-    ["dict", "dict_two_outputs", "reentrant", "reentrant_frozen", "reentrant_twice", "segment_twice", "mixed_calls"],
+    [
+        "dict",
+        "dict_two_outputs",
+        "reentrant",
+        "reentrant_frozen",
+        "reentrant_own",
+        "reentrant_twice",
+        "segment_twice",
+        "mixed_calls",
+    ],
 )
 def test_params_used_on_one_rank_in_units_without_a_moment_of_their_own(how):
     """Every rank reduces such a unit when the backward ends if it ran (not only the ranks
@@ -406,7 +438,7 @@ def test_params_used_on_one_rank_in_units_without_a_moment_of_their_own(how):
     assert all(get_pool(2).run(_no_moment_worker, how, timeout=60))
 
 
-def _reentrant_order_worker() -> list[tuple[str, str]]:
+def _reentrant_order_worker(own: bool) -> list[tuple[str, str]]:
     torch.manual_seed(0)
     model = _Chain(lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh()), count=4)
     mesh = mesh_for((dist.get_world_size(),))
@@ -418,7 +450,7 @@ def _reentrant_order_worker() -> list[tuple[str, str]]:
     def checkpointed(x: torch.Tensor) -> torch.Tensor:
         h = model.inp(x)
         for block in model.blocks:
-            h = checkpoint(block, h, use_reentrant=True)
+            h = _OwnCheckpoint.apply(block, h) if own else checkpoint(block, h, use_reentrant=True)
         return model.head(h)
 
     model.forward = checkpointed
@@ -429,11 +461,14 @@ def _reentrant_order_worker() -> list[tuple[str, str]]:
     return [(r.op, r.label) for r in records]
 
 
-def test_reentrant_checkpointed_units_are_reduced_during_the_backward():
+@pytest.mark.parametrize("own", [False, True], ids=["torch", "own_function"])
+def test_reentrant_checkpointed_units_are_reduced_during_the_backward(own):
     """A reentrant checkpoint's recompute arms the unit's input waiter, so each block is
     reduced once its recompute's backward is done, not all at the end (which held every
-    block's full gradients at once, DDP's memory)."""
-    for records in get_pool(2).run(_reentrant_order_worker):
+    block's full gradients at once, DDP's memory). So with a checkpoint Function of one's own
+    (DeepSpeed's, Megatron's): the forward without grad inside it is told from a target
+    computed under a plain torch.no_grad() by the Function's ctx."""
+    for records in get_pool(2).run(_reentrant_order_worker, own):
         order = [f"{op}:{label}" for op, label in records if label.startswith("blocks")]
         for i in (3, 2, 1):
             assert order.index(f"reduce_scatter:blocks.{i}") < order.index(f"all_gather:blocks.{i - 1}"), order

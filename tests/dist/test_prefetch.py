@@ -327,29 +327,37 @@ def test_a_backward_gathers_and_reduces_each_unit_once(mode):
 
 
 class _PassedOver(nn.Module):
-    """Blocks ``0..3`` (units) between a frozen embedding unit and a head. ``skipped``: block 2
-    does not run after the first step; ``teacher``: a frozen ``teacher`` unit runs under
-    ``torch.no_grad()`` in the forward, its output the target; ``frozen_embedding``: the
-    embedding unit's output starts the blocks."""
+    """Blocks ``0..3`` (units) after an embedding unit, then a head. ``skipped``: block 2 does
+    not run after the first step; ``teacher``: a frozen ``teacher`` unit runs under
+    ``torch.no_grad()`` in the forward, its output the target (``trainable_teacher``: the
+    same, its params requiring grad); ``frozen_embedding``: the embedding is frozen;
+    ``own_target``: the blocks compute the target under ``torch.no_grad()`` first."""
 
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.mode = mode
         self.steps = 0
         self.embed = nn.Embedding(11, 6).requires_grad_(mode != "frozen_embedding")
-        self.teacher = nn.Linear(6, 6).requires_grad_(False)
+        self.teacher = nn.Linear(6, 6).requires_grad_(mode == "trainable_teacher")
         self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
         self.head = nn.Linear(6, 3)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (self.mode == "skipped" and i == 2 and self.steps > 0):
+                x = torch.tanh(block(x))
+        return x
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         target = 0
-        if self.mode == "teacher":
+        if self.mode in ("teacher", "trainable_teacher"):
             with torch.no_grad():
                 target = self.teacher(x)
-        for i, block in enumerate(self.blocks):
-            if not (self.mode == "skipped" and i == 2 and self.steps > 0):
-                x = torch.tanh(block(x))
+        elif self.mode == "own_target":
+            with torch.no_grad():
+                target = self._blocks(x.flip(0))
+        x = self._blocks(x)
         self.steps += 1
         return self.head(x - target)
 
@@ -386,16 +394,39 @@ def _beside_ddp_passed_over(mode: str):
 
 @pytest.mark.parametrize(
     ("mode", "passed_over"),
-    [("skipped", "blocks.2"), ("teacher", "teacher"), ("frozen_embedding", "embed")],
+    [
+        ("skipped", "blocks.2"),
+        ("teacher", "teacher"),
+        ("trainable_teacher", "teacher"),
+        ("frozen_embedding", "embed"),
+    ],
 )
 def test_backward_prefetch_passes_over_units_the_backward_does_not_reach(mode, passed_over):
     """A unit that did not run this step, or a frozen one whose forward had no input needing
     grad, is not gathered for the backward (it would be held to its end, and the unit before
     it would lose its prefetch); the backward prefetches the next unit it reaches instead."""
     # (the unit the backward reaches after the one passed over, and the unit it follows)
-    successor, after = {"skipped": ("blocks.1", "blocks.3"), "teacher": ("embed", "blocks.0")}.get(mode, (None, None))
+    successor, after = {
+        "skipped": ("blocks.1", "blocks.3"),
+        "teacher": ("embed", "blocks.0"),
+        "trainable_teacher": ("embed", "blocks.0"),
+    }.get(mode, (None, None))
     for traces in get_pool(2).run(_passed_over_worker, mode):
         for backward in traces[1:]:  # the first step records the order
             assert ("all_gather", passed_over) not in backward, backward
             if successor is not None:  # prefetched: gathered before the unit it follows reduces
                 assert backward.index(("all_gather", successor)) < backward.index(("reduce_scatter", after)), backward
+
+
+def test_units_that_computed_a_target_without_grad_are_reduced_during_the_backward():
+    """Blocks run under ``torch.no_grad()`` inside the training forward (a target the model
+    computes itself), then with grad: no backward comes for the first calls, so each block is
+    reduced and freed once its own backward is done, not all held gathered, with their full
+    gradients, to the end (taken for a reentrant checkpoint's forward, which is also run
+    without grad, they were: DDP's memory)."""
+    for traces in get_pool(2).run(_passed_over_worker, "own_target"):
+        for backward in traces:
+            for i in (3, 2):  # (the block before is prefetched while this one computes)
+                assert backward.index(("reduce_scatter", f"blocks.{i}")) < backward.index(
+                    ("all_gather", f"blocks.{i - 2}")
+                ), backward
