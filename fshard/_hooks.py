@@ -439,7 +439,8 @@ class RootState:
         self.root = root
         self.groups = groups
         self.units_made = _UNITS_MADE[0]  # units_under(root) is ``groups`` while this holds
-        self.forward_order: list[ParamGroup] = []
+        self.forward_order: list[ParamGroup] = []  # first forward's units, as each started
+        self.finish_order: list[ParamGroup] = []  # and as each finished (the root last)
         self._recorded = False
         self._recording = False
         self._callback_queued = False
@@ -483,6 +484,7 @@ class RootState:
         if not self._recorded and torch.is_grad_enabled():
             self._recording = True
             self.forward_order = []
+            self.finish_order = []
 
     def on_root_post_forward(self) -> None:
         if self._recording:
@@ -510,10 +512,20 @@ class RootState:
         if self._recording and group not in self.forward_order:
             self.forward_order.append(group)
 
+    def record_finish(self, group: ParamGroup) -> None:
+        if self._recording and group not in self.finish_order:
+            self.finish_order.append(group)
+
     def _build_prefetch_plan(self) -> None:
+        """Forward: the unit that started after this one. Backward: the unit that finished
+        its forward before this one (the backward runs the forward in reverse): a unit that
+        contains others finishes after them, so the root, which finishes last, is first and
+        prefetches the last block, and no block prefetches it again after its head's
+        gradients freed it (as the start order would, where the root comes first)."""
         order = self.forward_order
         self._next_forward = {id(g): [order[i + 1]] for i, g in enumerate(order[:-1])}
-        self._next_backward = {id(g): [order[i - 1]] for i, g in enumerate(order) if i > 0}
+        finished = self.finish_order
+        self._next_backward = {id(g): [finished[i - 1]] for i, g in enumerate(finished) if i > 0}
 
     def forward_targets(self, group: ParamGroup) -> list[ParamGroup]:
         if self._check_every_step:
@@ -961,6 +973,7 @@ def _post_forward(
     if not grad_enabled or not keep:
         group.reshard()
     group.training_state = TrainingState.IDLE
+    root.record_finish(group)
     if root.root is group:
         root.on_root_post_forward()
     elif grad_enabled and keep and root.root.training_state is not TrainingState.FORWARD:

@@ -375,6 +375,10 @@ def _passed_over_worker(mode: str) -> list[list[tuple[str, str]]]:
         with trace_collectives() as records:
             loss.backward()
         traces.append([(r.op, r.label) for r in records])
+        if step > 0 and mode != "own_target":
+            # The root (the head's unit, its params kept from the forward) prefetches the last
+            # block at its pre-backward, before the head's gradient is reduced.
+            assert (records[0].op, records[0].label, records[0].async_op) == ("all_gather", "blocks.3", True)
         for opt in optims:
             opt.step()
             opt.zero_grad()
@@ -414,6 +418,9 @@ def test_backward_prefetch_passes_over_units_the_backward_does_not_reach(mode, p
     for traces in get_pool(2).run(_passed_over_worker, mode):
         for backward in traces[1:]:  # the first step records the order
             assert ("all_gather", passed_over) not in backward, backward
+            # Nor is the root gathered again once its head's gradients freed it: the backward
+            # reaches units in the reverse order their forwards finished, the root's last.
+            assert ("all_gather", "<root>") not in backward, backward
             if successor is not None:  # prefetched: gathered before the unit it follows reduces
                 assert backward.index(("all_gather", successor)) < backward.index(("reduce_scatter", after)), backward
 
