@@ -322,7 +322,12 @@ _BLOCK_ALIASES = {
     "wrap_policy": "auto_wrap_policy",
     "backward_prefetch_policy": "backward_prefetch",
     "min_num_param": "min_num_params",
+    "cpu_offload": "offload_params",  # Transformers' fsdp_config
 }
+# Keys only a Transformers TrainingArguments fsdp_config has (the Trainer adds the xla ones to
+# every config it normalises): a bare block with one of them, or a bare block in a .json file,
+# is read with the Trainer's defaults (see _build).
+_TRAINER_ONLY_KEYS = ("cpu_offload", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 
 # The top-level keys of an accelerate config file (ClusterConfig, plus legacy spellings).
 _LAUNCH_KEYS = (
@@ -680,6 +685,17 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
         options = _parse_block(parser, data, "the fsdp_config block")
     values = {canon: value for canon, (_, value) in options.items()}
     keys = {canon: key for canon, (key, _) in options.items()}
+    # A Transformers fsdp_config (TrainingArguments(fsdp_config="fsdp_config.json")): the
+    # Trainer wraps by class (the model's _no_split_modules) unless told otherwise, and its
+    # min_num_params defaults to 0, meaning "not set".
+    trainer = not whole and (
+        (source is not None and source.lower().endswith(".json"))
+        or any(isinstance(k, str) and k.removeprefix("fsdp_") in _TRAINER_ONLY_KEYS for k in data)
+    )
+    if values.get("min_num_params") == 0 and (
+        trainer or values.get("auto_wrap_policy") is not AutoWrapPolicy.SIZE_BASED_WRAP
+    ):
+        del values["min_num_params"]  # (no size policy wraps every module: 0 is "not set")
 
     if top_mixed is not _INVALID:
         if "mixed_precision" in values and values["mixed_precision"] != top_mixed:
@@ -723,6 +739,12 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
             values["auto_wrap_policy"] = AutoWrapPolicy.TRANSFORMER_BASED_WRAP
         elif has_size:
             values["auto_wrap_policy"] = AutoWrapPolicy.SIZE_BASED_WRAP
+        elif trainer:
+            values["auto_wrap_policy"] = AutoWrapPolicy.TRANSFORMER_BASED_WRAP
+            logger.info(
+                "a Transformers fsdp_config without a wrap policy: TRANSFORMER_BASED_WRAP (the "
+                "model's _no_split_modules), as the Trainer does"
+            )
     elif policy is not AutoWrapPolicy.TRANSFORMER_BASED_WRAP and values.get("transformer_layer_cls_to_wrap"):
         logger.warning(
             "%s is ignored: fsdp_auto_wrap_policy is %s",
@@ -776,7 +798,11 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | FSDPConfig 
     them and lists the valid ones. Every spelling accelerate and Transformers use is accepted:
     the ``fsdp_`` prefix is optional, ``fsdp_wrap_policy`` = ``fsdp_auto_wrap_policy``,
     ``fsdp_backward_prefetch`` = ``fsdp_backward_prefetch_policy``, ``min_num_param`` =
-    ``min_num_params``, and ``SIZED_BASED_WRAP`` = ``SIZE_BASED_WRAP``.
+    ``min_num_params``, ``cpu_offload`` = ``fsdp_offload_params``, and ``SIZED_BASED_WRAP`` =
+    ``SIZE_BASED_WRAP``. A bare block read from a ``.json`` file, or holding a key only
+    Transformers writes (``cpu_offload``, ``xla``...), is a ``TrainingArguments`` fsdp_config and
+    gets the Trainer's defaults: TRANSFORMER_BASED_WRAP when no policy is given (accelerate's
+    default is NO_WRAP). ``min_num_params: 0`` means "not set", as in the Trainer.
 
     Example:
         >>> import fshard

@@ -21,10 +21,12 @@ import abc
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -365,7 +367,10 @@ def checkpoint_forward(module: nn.Module) -> None:
     ``torch.utils.checkpoint.checkpoint``, and the module keeps its class, its FQNs and its
     ``state_dict()`` keys. When ``module`` is an fshard unit, its hooks gather the parameters
     before the checkpointed forward, and its backward gathers them again before the
-    recomputation. The instance's ``forward`` attribute is set (a ``functools.partial``, so the
+    recomputation. In training, the KV-cache arguments of Transformers layers
+    (``use_cache``, ``past_key_values``, ``past_key_value``, ``layer_past``) are dropped, with
+    one warning per class, as Transformers' own checkpointing does: the recompute would write
+    to the cache a second time. The instance's ``forward`` attribute is set (a ``functools.partial``, so the
     module still deep-copies and pickles); a module whose ``forward`` is already set on the
     instance is an error.
     """
@@ -377,5 +382,79 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = functools.partial(_checkpointed_forward, module)
 
 
+# Arguments through which Transformers layers append to a KV cache (named per model).
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_WARNED_CACHE: set[type] = set()
+
+
+_POSITIONS: weakref.WeakKeyDictionary[type, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _positions(cls: type[nn.Module]) -> dict[str, int]:
+    """Where ``use_cache`` and the cache arguments of ``cls.forward`` sit among the positional
+    arguments after ``self`` (GPT-2's blocks take the cache second)."""
+    found = _POSITIONS.get(cls)
+    if found is not None:
+        return found
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = {
+        p.name: i
+        for i, p in enumerate(params)
+        if p.kind in positional and p.name in (*_CACHE_ARGS, "use_cache")
+    }
+    _POSITIONS[cls] = found
+    return found
+
+
+def _without_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments without a KV cache to write to: the recompute in backward would append
+    the layer's keys and values to it a second time (a shape error, or a wrong cache). What
+    Transformers' own gradient checkpointing does for its layers (the ones that only read the
+    cache say so with ``_can_checkpoint_with_cache``), with one warning per layer class."""
+    positions = _positions(type(module))
+    new_args, new_kwargs = list(args), dict(kwargs)
+    dropped = []
+
+    def replace(name: str, value: object) -> None:
+        at = positions.get(name)
+        if at is not None and at < len(new_args):
+            new_args[at] = value
+        else:
+            new_kwargs[name] = value
+
+    def given(name: str) -> object:
+        at = positions.get(name)
+        return new_args[at] if at is not None and at < len(new_args) else kwargs.get(name)
+
+    if given("use_cache"):
+        replace("use_cache", False)
+        dropped.append("use_cache=False")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_ARGS:
+            if given(name) is not None:
+                replace(name, None)
+                dropped.append(f"{name}=None")
+    if not dropped:
+        return args, kwargs
+    if type(module) not in _WARNED_CACHE:
+        _WARNED_CACHE.add(type(module))
+        logger.warning(
+            "fshard: %s is checkpointed (fsdp_activation_checkpointing), which a KV cache does "
+            "not survive: its recompute would write to the cache again. Training with %s (pass "
+            "use_cache=False to the model to silence this).",
+            type(module).__name__,
+            ", ".join(dropped),
+        )
+    return tuple(new_args), new_kwargs
+
+
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if module.training and torch.is_grad_enabled():
+        args, kwargs = _without_cache(module, args, kwargs)
     return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)

@@ -90,3 +90,53 @@ def test_encoder_decoder_generate_with_one_unit_per_block():
         assert pool.run(_encoder_decoder_generate_worker) == [True, True]
     finally:
         pool.close()
+
+
+def _checkpointed_with_cache_worker():
+    import copy
+    import logging
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    reference = copy.deepcopy(model)
+    settings = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    fshard.from_config(model, {**settings, "fsdp_activation_checkpointing": True})
+    fshard.from_config(reference, settings)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # padding, as a tokenizer gives
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fshard").addHandler(handler)
+    try:
+        losses = []
+        for _ in range(2):  # the model's default, use_cache=True, passes a cache to every block
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+    finally:
+        logging.getLogger("fshard").removeHandler(handler)
+    expected = reference(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, 2 * q.grad, msg=lambda m, name=name: f"{name}: {m}")  # (two backwards)
+    warned = [r for r in records if "GPT2Block is checkpointed" in r]
+    return [loss.item() for loss in losses], expected.item(), len(warned)
+
+
+def test_activation_checkpointing_trains_with_the_default_kv_cache():
+    """Transformers decoders build a KV cache in training unless told use_cache=False; a block
+    checkpointed by fsdp_activation_checkpointing drops it (as HF's own checkpointing does), one
+    warning per block class, instead of appending to it again in the recompute (a shape error
+    with padding)."""
+    pool = RankPool(2, timeout=120, pg_timeout=20)
+    try:
+        results = pool.run(_checkpointed_with_cache_worker)
+    finally:
+        pool.close()
+    for losses, expected, warned in results:
+        assert losses == pytest.approx([expected, expected], rel=1e-6) and warned == 1

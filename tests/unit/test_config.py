@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, ClassVar
@@ -626,3 +627,27 @@ def test_any_unknown_key_is_named(key: str, whole: bool) -> None:
     data: dict[str, Any] = {"distributed_type": "FSDP", "fsdp_config": {key: 1}} if whole else {key: 1}
     with pytest.raises(ValueError, match=re.escape(f"unknown key {key!r}")):
         fshard.load_config(data)
+
+
+def test_transformers_fsdp_config_json_reads_as_the_trainer_reads_it(tmp_path: Path) -> None:
+    # TrainingArguments(fsdp_config="fsdp_config.json"): cpu_offload, a class-based wrap by
+    # default (the model's _no_split_modules), and min_num_params 0 meaning "not set".
+    def load(block: dict) -> Any:
+        path = tmp_path / "fsdp_config.json"
+        path.write_text(json.dumps(block))
+        return fshard.load_config(path)
+
+    cfg = load({"version": 2, "cpu_offload": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    assert cfg.offload_params and cfg.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    cfg = load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "min_num_params": 0})
+    assert cfg.auto_wrap_policy is AutoWrapPolicy.TRANSFORMER_BASED_WRAP
+    for block in ({"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}, {"activation_checkpointing": True}):
+        cfg = load(block)
+        assert cfg.auto_wrap_policy is AutoWrapPolicy.TRANSFORMER_BASED_WRAP, block
+    cfg = load({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 0})  # accelerate's default size
+    assert cfg.auto_wrap_policy is AutoWrapPolicy.SIZE_BASED_WRAP and cfg.min_num_params == 100_000_000
+    # The dict the Trainer normalised (it adds the xla keys) reads the same way...
+    assert fshard.load_config({"sharding_strategy": 1, "xla": False}).auto_wrap_policy.value == "TRANSFORMER_BASED_WRAP"
+    # ...while an accelerate block keeps accelerate's default, NO_WRAP.
+    assert fshard.load_config({"fsdp_sharding_strategy": 1}).auto_wrap_policy is AutoWrapPolicy.NO_WRAP
+    assert fshard.load_config({"fsdp_min_num_params": 0, "fsdp_transformer_layer_cls_to_wrap": "X"}).auto_wrap_policy.value == "TRANSFORMER_BASED_WRAP"
