@@ -489,11 +489,13 @@ def on_module_load_state_dict(
 ) -> None:
     """``module.load_state_dict()`` pre-hook: replace the unit's entries by this rank's shard.
 
-    DTensors (any mesh) and full-shaped tensors become local shards, and a local-shard-shaped
-    tensor loads as it is. Any other tensor is a size mismatch reported against the *full*
-    shape (``nn.Module`` would name the local one) through ``error_msgs``, so it is raised with
-    the other errors of the load. ``state_dict`` is ``load_state_dict``'s own copy of the
-    caller's dict.
+    DTensors (any mesh) and full-shaped tensors become local shards. Any other tensor is a size
+    mismatch reported against the *full* shape (``nn.Module`` would name the local one) through
+    ``error_msgs``, so it is raised with the other errors of the load: a plain tensor shaped
+    like this rank's shard is one too, since nothing tells it from a wrong-sized full tensor (a
+    checkpoint from before a vocabulary resize), which every rank would load into its own rows
+    (or, with uneven shards, some ranks only). ``state_dict`` is ``load_state_dict``'s own copy
+    of the caller's dict.
     """
     where = f"{type(module).__name__}.load_state_dict"
     keys = [(key, slot) for key, slot in _keys_of(group, module, prefix) if key in state_dict]
@@ -512,11 +514,17 @@ def on_module_load_state_dict(
             state_dict[key] = _shard_of(value, slot)
         elif isinstance(value, torch.Tensor) and value.shape == slot.layout.full_shape:
             state_dict[key] = _local_rows(value, slot)
-        elif isinstance(value, torch.Tensor) and value.shape != slot.sharded_param.shape:
+        elif isinstance(value, torch.Tensor):
+            hint = ""
+            if value.shape == slot.sharded_param.shape:
+                hint = (
+                    " A plain tensor is taken as the full parameter; to load this rank's shard, "
+                    "pass it as a DTensor (fshard.state_dict(model) gives them)."
+                )
             error_msgs.append(
                 f"size mismatch for {key}: copying a param with shape {value.shape} from "
                 f"checkpoint, the shape in current model is {slot.layout.full_shape} (sharded "
-                f"by fshard; this rank holds {tuple(slot.sharded_param.shape)})."
+                f"by fshard; this rank holds {tuple(slot.sharded_param.shape)}).{hint}"
             )
             state_dict[key] = _local(slot)  # copied onto itself: nothing changes
 

@@ -147,6 +147,26 @@ def test_module_load_state_dict_size_mismatch_names_the_full_shape():
         assert "torch.Size([6, 6])" in message and "this rank holds (3, 6)" in message
 
 
+def _module_load_shard_shaped_task(rows: int, given: int):
+    model = nn.Sequential(nn.Embedding(rows, 3))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    before = model[0].weight.to_local().clone()
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict({"0.weight": torch.randn(given, 3)})
+    assert torch.equal(model[0].weight.to_local(), before)  # nothing loaded
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("rows", "given"), [(8, 4), (5, 3), (5, 2)])
+def test_module_load_state_dict_refuses_a_plain_tensor_shaped_like_a_shard(rows, given):
+    """A plain tensor is the full parameter: one shaped like this rank's shard (a checkpoint
+    from before a vocabulary resize) is a size mismatch on every rank, not loaded into each
+    rank's rows (with uneven shards, on some ranks only, the others raising)."""
+    for message in get_pool(2).run(_module_load_shard_shaped_task, rows, given):
+        assert f"size mismatch for 0.weight: copying a param with shape torch.Size([{given}, 3])" in message
+        assert f"the shape in current model is torch.Size([{rows}, 3])" in message
+
+
 # ------------------------------------------------- optimizer state of an unsharded run (positions)
 
 
