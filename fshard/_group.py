@@ -463,11 +463,11 @@ class ParamGroup:
         """Remember the shards' version counters as a forward with grad reads them."""
         self._forward_versions = tuple(s.sharded_param._version for s in self.slots)
 
-    def check_unchanged_since_forward(self) -> None:
-        """Raise if a shard was modified in place since the forward whose backward is starting:
-        that backward would mix the values gathered then (kept, or saved by autograd) with the
+    def check_unchanged_since_forward(self, before: tuple[int, ...] | None) -> None:
+        """Raise if a shard was modified in place since the forward (whose version counters
+        were ``before``) that the backward now reaches: that backward would mix the values
+        gathered then (kept, or saved by autograd in storage a later gather refills) with the
         new ones. Autograd raises for the same code on an unsharded model, as DDP does."""
-        before = self._forward_versions
         if before is None:
             return
         changed = [

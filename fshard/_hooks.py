@@ -429,6 +429,24 @@ class _UncompiledUnitHook(_UnitHook):
     __call__ = torch.compiler.disable(_call_hook)
 
 
+def _call_pre_backward(hook: _PreBackwardHook, grad: torch.Tensor | None) -> None:
+    target = hook.ref()
+    if target is not None:
+        _pre_backward(target, grad, hook.versions)
+
+
+class _PreBackwardHook(_UnitHook):
+    """The pre-backward hook on one forward's outputs, with the version counters of the shards
+    that forward read: the backward of an earlier forward checks against its own (a later
+    forward, after an edit, refilled the storage that autograd saved for it)."""
+
+    def __init__(self, group: ParamGroup, versions: tuple[int, ...] | None) -> None:
+        super().__init__(_pre_backward, group)
+        self.versions = versions
+
+    __call__ = torch.compiler.disable(_call_pre_backward)
+
+
 # ------------------------------------------------------------------------------------ root state
 
 
@@ -953,7 +971,7 @@ def _post_forward(
         output = _map_tensors(lambda t: t.clone() if _storage_ptr(t) in gathered else t, output)
         leaves = [output] if type(output) is torch.Tensor else _tensors_in(output)
     if grad_enabled:
-        hook = _UncompiledUnitHook(_pre_backward, group)
+        hook = _PreBackwardHook(group, group._forward_versions)
         for leaf in leaves:
             if leaf.requires_grad:
                 leaf.register_hook(hook)
@@ -1058,8 +1076,11 @@ def _made_since(group: ParamGroup, start: int) -> list[torch.Tensor]:
     return found
 
 
-def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
+def _pre_backward(
+    group: ParamGroup, grad: torch.Tensor | None, versions: tuple[int, ...] | None
+) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    group.check_unchanged_since_forward(versions)
     if torch.is_grad_enabled():
         # Autograd runs hooks with grad mode on only in a backward with create_graph=True.
         raise RuntimeError(
@@ -1077,8 +1098,6 @@ def _pre_backward(group: ParamGroup, grad: torch.Tensor | None) -> None:
     root.ensure_final_callback()
     if group.backward_task is None:
         group.backward_task = torch._C._current_graph_task_id()
-    if group.training_state is TrainingState.IDLE:
-        group.check_unchanged_since_forward()  # the first of its pre-backwards in this pass
     if group.training_state is TrainingState.PRE_BACKWARD and (
         group.sharded_state is ShardedState.UNSHARDED
     ):

@@ -452,6 +452,11 @@ def _modified_before_backward_worker(reshard_after_forward: bool, case: str):
             elif case == "edit-one-unit":  # a unit whose params backward reads (mid's input needs grad)
                 with torch.no_grad():
                     (m.module.mid.weight if m is ddp else m.mid.weight.to_local()).add_(1.0)
+            elif case == "edit-between-two-forwards":  # the second gather refills the first's storage
+                with torch.no_grad():
+                    (m.module.mid.weight if m is ddp else m.mid.weight.to_local()).mul_(0.5)
+                x = _batch(2, (3, 4))
+                loss = loss + (m.module(x).pow(2).mean() if m is ddp else _square_loss(m, x))
             loss.backward()
             outcomes.append("no error")
         except RuntimeError as exc:
@@ -464,12 +469,16 @@ def _modified_before_backward_worker(reshard_after_forward: bool, case: str):
     return outcomes
 
 
-@pytest.mark.parametrize("case", ["load_state_dict", "step-between-two-backwards", "edit-one-unit"])
+@pytest.mark.parametrize(
+    "case", ["load_state_dict", "step-between-two-backwards", "edit-one-unit", "edit-between-two-forwards"]
+)
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["zero3", "zero2"])
 def test_params_modified_between_a_forward_and_its_backward_are_an_error(reshard_after_forward, case):
     """Where autograd on the unsharded model raises (a tensor it saved for backward was modified
     in place), fshard raises too, naming the unit and the parameters, rather than computing the
-    gradients from a mix of the gathered old values and re-gathered new ones."""
+    gradients from a mix of the gathered old values and re-gathered new ones. Each forward's
+    backward checks against the values that forward read: after an edit and a second forward,
+    the first forward's backward raises."""
     for ddp_outcome, outcome in get_pool(2).run(_modified_before_backward_worker, reshard_after_forward, case):
         assert "modified by an inplace operation" in ddp_outcome
         assert "were modified in place" in outcome and "after the forward" in outcome
@@ -976,3 +985,26 @@ def test_in_place_edits_to_gathered_params_that_are_dropped_warn(case):
             assert messages == []
         else:
             assert len(messages) == 1 and "parameters 'embed.weight' of unit 'embed'" in messages[0]
+
+
+def _edit_then_backward_of_the_later_forward_worker() -> bool:
+    ddp, model, reference = _beside_ddp(
+        _HeadOutside, lambda m: [m.body, m.mid], ddp_kwargs={"find_unused_parameters": True}
+    )
+    optims = _sgd(ddp, model)
+    for m in (ddp, model):
+        first = m.module(_batch(0, (3, 4))) if m is ddp else model(_batch(0, (3, 4)))  # noqa: F841 (kept alive)
+        with torch.no_grad():
+            (m.module.mid.weight if m is ddp else m.mid.weight.to_local()).mul_(0.5)
+        _square_loss(m, _batch(1, (3, 4))).backward()  # (DDP's own forward: it syncs)
+    for opt in optims:
+        opt.step()
+    _assert_params_equal(model, reference)
+    return True
+
+
+def test_an_edit_before_a_later_forward_is_fine_for_that_forwards_backward():
+    """The backward of the forward after the edit reads the new values only: no error (the
+    earlier forward's graph, alive but never differentiated, does not matter), DDP's result."""
+    assert all(get_pool(2).run(_edit_then_backward_of_the_later_forward_worker))
+
