@@ -246,6 +246,7 @@ class ParamGroup:
         # of that forward (or of an older, retained graph) checks them. Noted per slot, so a
         # forward before a rebuild has no say.
         self._forward_versions: tuple[int, ...] | None = None
+        self._versions_at_gather: tuple[int, ...] | None = None  # the shards' when last gathered
         for slot in self.slots:
             self._ensure_grad_hook(slot)
 
@@ -316,6 +317,12 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
+        if self.is_hidden() and self._versions_at_gather != self._shard_versions():
+            # Kept from a forward whose backward has not run, and the shards changed since (an
+            # optimizer step, an edit): gather afresh rather than show the old values. (That
+            # backward, if it comes, raises: see check_unchanged_since_forward.) The same on
+            # every rank: every rank steps or edits alike.
+            self.reshard()
         if self.sharded_state is ShardedState.UNSHARDED or (
             self.sharded_state is ShardedState.UNSHARDING and not async_op
         ):
@@ -374,7 +381,11 @@ class ParamGroup:
             self._pending_gather = []
             self._register_unsharded()
             self._note_gathered_versions()
+            self._versions_at_gather = self._shard_versions()
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        return tuple(s.sharded_param._version for s in self.slots)
 
     def _register_unsharded(self) -> None:
         """Put the gathered params in the modules (with the shards' ``requires_grad``)."""
@@ -433,8 +444,8 @@ class ParamGroup:
         ``check_only``, only raise if it cannot."""
         if self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
-        if self.sharded_state is not ShardedState.UNSHARDED:
-            return
+        if self.sharded_state is not ShardedState.UNSHARDED or self.is_hidden():
+            return  # (hidden: kept for a backward, the modules show the shards, edits go there)
         for slot in self.slots:
             full, shard = slot.unsharded_param, slot.sharded_param
             if full is None:
@@ -461,7 +472,7 @@ class ParamGroup:
 
     def note_forward_versions(self) -> None:
         """Remember the shards' version counters as a forward with grad reads them."""
-        self._forward_versions = tuple(s.sharded_param._version for s in self.slots)
+        self._forward_versions = self._shard_versions()
 
     def check_unchanged_since_forward(self, before: tuple[int, ...] | None) -> None:
         """Raise if a shard was modified in place since the forward (whose version counters

@@ -1008,3 +1008,37 @@ def test_an_edit_before_a_later_forward_is_fine_for_that_forwards_backward():
     earlier forward's graph, alive but never differentiated, does not matter), DDP's result."""
     assert all(get_pool(2).run(_edit_then_backward_of_the_later_forward_worker))
 
+
+def _stale_kept_copy_worker(case: str) -> list[float]:
+    """A forward with grad whose backward never comes keeps the root (and units with
+    reshard_after_forward=False) gathered, hidden; the shards then change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    mesh = mesh_for((2,))
+    fshard.fully_shard(model[1], mesh=mesh, reshard_after_forward=False)
+    fshard.fully_shard(model, mesh=mesh)
+    x = torch.randn(3, 4)
+    model(x).sum()  # no backward
+    with torch.no_grad():
+        for p in (model[1].weight, model[2].weight):
+            p.to_local().zero_()
+    if case == "unshard":  # fshard.unshard shows the shards' values, not the kept copy's
+        fshard.unshard(model)
+        seen = [model[1].weight.detach().abs().sum().item(), model[2].weight.detach().abs().sum().item()]
+        fshard.reshard(model)
+        return seen
+    if case == "writeback":  # nothing was edited while gathered: the shards keep their values
+        fshard.reshard(model, writeback=True)
+        return [model[1].weight.full_tensor().abs().sum().item(), model[2].weight.full_tensor().abs().sum().item()]
+    # "unit_on_its_own": the kept unit computes with its new weights
+    out = model[1](torch.ones(3, 4))
+    return [(out - model[1].bias.full_tensor()).abs().sum().item()]
+
+
+@pytest.mark.parametrize("case", ["unshard", "writeback", "unit_on_its_own"])
+def test_kept_copies_are_not_reused_once_the_shards_changed(case):
+    """A copy kept from a forward whose backward has not run is gathered afresh once its shards
+    changed (an optimizer step, an edit), by fshard.unshard and by the unit's own forward, and
+    fshard.reshard(writeback=True) does not write it back over the new shards."""
+    for seen in get_pool(2).run(_stale_kept_copy_worker, case):
+        assert seen == [0.0] * len(seen), seen
