@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,22 @@ def _my_rows(param, full: torch.Tensor) -> torch.Tensor:
     coordinate, size = mesh.get_local_rank(mesh_dim=mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     chunks = full.chunk(size) if full.dim() else [full]
     return chunks[coordinate] if coordinate < len(chunks) else full[:0]
+
+def _clip_beside_torch(model, reference, norm_type, *, same_batch: bool) -> tuple[float, float]:
+    """(fshard's clipped norm of ``model``, torch's of the unsharded ``reference`` with DDP's
+    averaged gradients) after one backward of each on a (5, 4) batch: this rank's, or with
+    ``same_batch`` one batch for every rank (no averaging needed)."""
+    seed = 0 if same_batch else dist.get_rank()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    if not same_batch:
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type)
+    got = fshard.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
+    return float(got), float(want)
 
 # --- clip inf negative
 # fshard.clip_grad_norm_ with norm_type=inf takes the largest *magnitude*: a gradient whose
@@ -64,15 +81,7 @@ def _clip_mixed_meshes_worker(norm_type):
     fshard.fully_shard(model[0], mesh=mesh_for((2, 2)))  # HSDP block
     fshard.fully_shard(model[2], mesh=mesh_for((4,)))  # fully sharded block
     fshard.fully_shard(model, mesh=mesh_for((4,)))
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
-    model(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    for p in reference.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type)
-    got = fshard.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
-    return float(got), float(want)
+    return _clip_beside_torch(model, reference, norm_type, same_batch=False)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -112,12 +121,7 @@ def _clip_with_ignored_worker(norm_type):
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     reference = copy.deepcopy(model)
     fshard.fully_shard(model, mesh=mesh_for((dist.get_world_size(),)), ignored_params=[model[2].weight])
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))  # the same on every rank
-    model(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type)
-    got = fshard.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
-    return float(got), float(want)
+    return _clip_beside_torch(model, reference, norm_type, same_batch=True)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -145,15 +149,7 @@ def _clip_scalar_worker(norm_type, mesh_shape):
     model = _Scaled()
     reference = copy.deepcopy(model)
     fshard.fully_shard(model, mesh=mesh_for(mesh_shape))
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
-    model(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    for p in reference.parameters():  # DDP's averaged gradient
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type)
-    got = fshard.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
-    return float(got), float(want)
+    return _clip_beside_torch(model, reference, norm_type, same_batch=False)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])
@@ -353,18 +349,11 @@ def test_hsdp_sharded_accumulation_merges_presence_across_param_sets():
 # world_size // LOCAL_WORLD_SIZE replicas of LOCAL_WORLD_SIZE shards (as torchrun sets it).
 
 def _default_hybrid_mesh(local_world_size):
-    before = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    try:
-        shapes = []
-        for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-            shapes.append(tuple(fshard.strategy_kwargs(strategy, device_type="cpu")["mesh"].shape))
-        return shapes
-    finally:
-        if before is None:
-            del os.environ["LOCAL_WORLD_SIZE"]
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = before
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(local_world_size)}):
+        return [
+            tuple(fshard.strategy_kwargs(strategy, device_type="cpu")["mesh"].shape)
+            for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+        ]
 
 
 @pytest.mark.parametrize("local_world_size, shape", [(4, (1, 4)), (1, (4, 1))])
