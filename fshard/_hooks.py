@@ -291,9 +291,7 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
     )
     module.register_forward_hook(_UncompiledUnitHook(_post_forward, group), prepend=False, with_kwargs=True)
     module.register_forward_hook(_UncompiledUnitHook(_after_forward, group), always_call=True)
-    # See [Note: model.state_dict() on a sharded model] in _state_dict.
-    module.register_state_dict_post_hook(_UnitHook(_state_dict_post, group))
-    module.register_load_state_dict_pre_hook(_UnitHook(_load_state_dict_pre, group))
+    index_param_owners(module)
     # What FSDP sets, and what other libraries look for: transformers' generate keeps every rank
     # stepping until all are done (synced_gpus) for such modules, and dynamo reads parameters
     # as they are when called (fshard swaps them), requiring use_orig_params for FSDP1.
@@ -363,16 +361,35 @@ def _container_post_forward(
     return _post_forward(group, module, args, kwargs, output)
 
 
-def _state_dict_post(
-    group: ParamGroup, module: nn.Module, destination: dict[str, Any], prefix: str, _meta: Any
+_OWNED_ATTR = "_fshard_param_slots"
+
+
+def index_param_owners(module: nn.Module) -> None:
+    """Hook ``state_dict()`` / ``load_state_dict()`` of every module under ``module`` that
+    registers a sharded parameter, so that each gives DTensors and takes full tensors for its
+    own parameters (see [Note: model.state_dict() on a sharded model] in _state_dict)."""
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            slot = param.__dict__.get("_fshard_slot") if param is not None else None
+            if slot is None or slot.sharded_param is not param:
+                continue
+            owned = sub.__dict__.get(_OWNED_ATTR)
+            if owned is None:
+                owned = sub.__dict__[_OWNED_ATTR] = {}
+                sub.register_state_dict_post_hook(_owner_state_dict_post)
+                sub.register_load_state_dict_pre_hook(_owner_load_state_dict_pre)
+            owned[name] = slot
+
+
+def _owner_state_dict_post(
+    module: nn.Module, destination: dict[str, Any], prefix: str, _meta: Any
 ) -> None:
     from fshard._state_dict import on_module_state_dict  # imports this module
 
-    on_module_state_dict(group, module, destination, prefix)
+    on_module_state_dict(module.__dict__[_OWNED_ATTR], destination, prefix)
 
 
-def _load_state_dict_pre(
-    group: ParamGroup,
+def _owner_load_state_dict_pre(
     module: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
@@ -384,7 +401,9 @@ def _load_state_dict_pre(
 ) -> None:
     from fshard._state_dict import on_module_load_state_dict  # imports this module
 
-    on_module_load_state_dict(group, module, state_dict, prefix, local_metadata, error_msgs)
+    on_module_load_state_dict(
+        module, module.__dict__[_OWNED_ATTR], state_dict, prefix, local_metadata, error_msgs
+    )
 
 
 def _call_hook(hook: _UnitHook, *args: Any) -> Any:

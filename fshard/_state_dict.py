@@ -441,53 +441,40 @@ def layout_of(model: nn.Module) -> Layout:
 # A unit's parameters hold plain local shards (no DTensor dispatch on the hot path), so without
 # help `model.state_dict()` would return bare shards: `torch.save(model.state_dict())` on one rank
 # would silently write a fraction of the model, and `model.load_state_dict(full_sd)` would fail
-# on every shape. So each unit hooks its module's state_dict() to give the same DTensors as
-# `fshard.state_dict` (sharing storage, no communication), and its load_state_dict() to take this
-# rank's shard of a DTensor (any mesh) or of a full tensor. The hooks act on the unit's own
-# parameters only; nested units hook their own modules.
-
-
-def _keys_of(group: ParamGroup, module: nn.Module, prefix: str) -> list[tuple[str, ParamSlot]]:
-    """The state-dict keys, under ``module`` and ``prefix``, of the unit's sharded params."""
-    paths: dict[int, list[str]] = {}
-    for path, sub in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(sub), []).append(f"{path}." if path else "")
-    keys = []
-    for slot in group.slots:
-        for owner, name in slot.registrations:
-            for path in paths.get(id(owner), ()):
-                keys.append((f"{prefix}{path}{name}", slot))
-    return keys
+# on every shape. So every module that registers a sharded parameter hooks its state_dict() to
+# give the same DTensors as `fshard.state_dict` (sharing storage, no communication), and its
+# load_state_dict() to take this rank's shard of a DTensor (any mesh) or of a full tensor. The
+# hooks sit on the modules that own the parameters, not on the units, so that the state dict of
+# any submodule (one layer's attention, the output head tied to a unit's embedding) is right.
 
 
 def on_module_state_dict(
-    group: ParamGroup, module: nn.Module, destination: dict[str, Any], prefix: str
+    owned: dict[str, ParamSlot], destination: dict[str, Any], prefix: str
 ) -> None:
-    """``module.state_dict()`` post-hook: the unit's shards become DTensors (see the Note).
+    """``module.state_dict()`` post-hook: ``owned`` (the module's own sharded parameters by
+    attribute name) become DTensors (see the Note).
 
     Also while the unit is gathered (``fshard.unshard``): the entries are then the gathered
     copies, in the compute dtype, and are replaced by the master shards all the same.
     """
-    made: dict[int, DTensor] = {}
-    for key, slot in _keys_of(group, module, prefix):
+    for name, slot in owned.items():
+        key = prefix + name
         value = destination.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, (nn.Parameter, DTensor)):
             continue  # keep_vars=True gives the parameters themselves; leave those alone
-        dtensor = made.get(id(slot))
-        if dtensor is None:
-            dtensor = made[id(slot)] = _as_dtensor(slot, _local(slot))
-        destination[key] = dtensor
+        destination[key] = _as_dtensor(slot, _local(slot))
 
 
 def on_module_load_state_dict(
-    group: ParamGroup,
     module: nn.Module,
+    owned: dict[str, ParamSlot],
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: dict[str, Any],
     error_msgs: list[str],
 ) -> None:
-    """``module.load_state_dict()`` pre-hook: replace the unit's entries by this rank's shard.
+    """``module.load_state_dict()`` pre-hook: replace the entries of ``owned`` (the module's
+    own sharded parameters by attribute name) by this rank's shard.
 
     DTensors (any mesh) and full-shaped tensors become local shards. Any other tensor is a size
     mismatch reported against the *full* shape (``nn.Module`` would name the local one) through
@@ -498,7 +485,7 @@ def on_module_load_state_dict(
     of the caller's dict.
     """
     where = f"{type(module).__name__}.load_state_dict"
-    keys = [(key, slot) for key, slot in _keys_of(group, module, prefix) if key in state_dict]
+    keys = [(prefix + name, slot) for name, slot in owned.items() if prefix + name in state_dict]
     if not keys:
         return
     if local_metadata.get("assign_to_params_buffers", False):
@@ -507,7 +494,8 @@ def on_module_load_state_dict(
             f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
             "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
         )
-    _free_for_load([group], where)  # the unit gathers again on its next use
+    groups = {id(g): g for _, slot in keys if (g := slot.group_ref()) is not None}
+    _free_for_load(list(groups.values()), where)  # the units gather again on their next use
     for key, slot in keys:
         value = state_dict[key]
         if isinstance(value, DTensor):

@@ -4,6 +4,7 @@ load time, tied keys, and ``model.state_dict()`` while a unit is gathered."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -271,3 +272,39 @@ def test_load_optim_state_dict_non_strict_loads_the_parameters_both_sides_hold()
     for message, result in get_pool(2).run(_non_strict_optim_task):
         assert "pass strict=False" in message, message
         assert result == fshard.LoadResult(["3.weight", "3.bias"], ["2.bias", "2.weight"])
+
+
+def _submodule_state_dict_task():
+    """``state_dict()`` / ``load_state_dict()`` of modules that are not units: a layer inside a
+    unit, and an output head outside the unit of the embedding it is tied to (before the first
+    forward places it)."""
+    torch.manual_seed(0)
+    mesh = mesh_for((dist.get_world_size(),))
+    model = nn.Sequential(
+        OrderedDict(embed=nn.Embedding(10, 4), body=nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 4)), head=nn.Linear(4, 10, bias=False))
+    )
+    model.head.weight = model.embed.weight
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    new = {k: torch.randn_like(v) for k, v in want.items()}
+    fshard.fully_shard(model.embed, mesh=mesh)
+    fshard.fully_shard(model.body, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)  # no forward yet: the head's weight is not placed
+    got = {}
+    for name in ("embed", "body.0", "body.1", "head"):
+        sub = model.get_submodule(name)
+        sd = sub.state_dict()
+        assert sd and all(isinstance(v, DTensor) for v in sd.values()), (name, sd)
+        got.update({f"{name}.{k}": v.full_tensor() for k, v in sd.items()})
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0)
+    for name in ("embed", "body.0", "body.1", "head"):
+        sub = model.get_submodule(name)  # a full tensor loads into it alone (each rank its rows)
+        sub.load_state_dict({k: new[f"{name}.{k}"] for k in sub.state_dict()})
+    full = fshard.full_state_dict(model, rank0_only=False)
+    torch.testing.assert_close(full["body.0.weight"], new["body.0.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(full["embed.weight"], new["head.weight"], rtol=0, atol=0)  # loaded last
+    return True
+
+
+def test_state_dict_of_a_module_that_is_not_a_unit_is_dtensors_and_loads_full_tensors():
+    assert all(get_pool(2).run(_submodule_state_dict_task))
