@@ -526,6 +526,50 @@ def test_optimizer_in_backward_equals_ddp(mesh_shape):
     assert all(get_pool(math.prod(mesh_shape)).run(_optimizer_in_backward_worker, mesh_shape))
 
 
+def _gan(mesh_shape: tuple[int, ...], reshard_after_forward: bool) -> bool:
+    torch.manual_seed(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def mlp(width_in: int, width_out: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(width_in, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, width_out))
+
+    gen, disc = mlp(3, 5), mlp(5, 1)
+    plain = (copy.deepcopy(gen), copy.deepcopy(disc))
+    mesh = mesh_for(mesh_shape)
+    for model in (gen, disc):  # two separate roots
+        for layer in model[::2]:
+            fshard.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fshard.fully_shard(model, mesh=mesh)
+
+    def bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+    runs = [((gen, disc), slice(rank * 4, rank * 4 + 4)), (plain, slice(None))]  # plain: all data
+    optims = [[torch.optim.Adam(m.parameters(), lr=0.01) for m in pair] for pair, _ in runs]
+    for step in range(3):
+        rows = torch.Generator().manual_seed(step)
+        real, noise = torch.randn(4 * world, 5, generator=rows), torch.randn(4 * world, 3, generator=rows)
+        for ((g, d), mine), (opt_g, opt_d) in zip(runs, optims, strict=True):
+            opt_d.zero_grad()
+            fake = g(noise[mine])
+            # The discriminator runs twice before its backward; the generator's output is cut off.
+            (bce(d(real[mine]), 1.0) + bce(d(fake.detach()), 0.0)).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(d(fake), 1.0).backward()  # through both roots, into the generator's first forward
+            opt_g.step()
+    _assert_params_equal(gen, plain[0])
+    _assert_params_equal(disc, plain[1])
+    return True
+
+
+@pytest.mark.parametrize(("mesh_shape", "reshard_after_forward"), [((4,), True), ((2, 2), False)], ids=str)
+def test_gan_with_two_sharded_models_equals_the_plain_run(mesh_shape, reshard_after_forward):
+    """A GAN's two roots: the discriminator's step on real and detached fake samples, then the
+    generator's backward through the discriminator into the generator's earlier forward."""
+    assert all(get_pool(4).run(_gan, mesh_shape, reshard_after_forward))
+
+
 # ---------------------------------------------------------------- clear errors, not wrong numbers
 
 
