@@ -97,20 +97,27 @@ def divide_factors(dp_size: int, dtype: torch.dtype) -> tuple[float, float]:
 
     Gradients are averaged like DDP with a SUM reduction every backend supports: divide by
     ``pre`` before the reduction and by ``post`` after it. Full precision divides everything
-    before (what DDP does); half precision splits the factor so that neither the summed value
-    overflows nor the pre-divided one underflows.
+    before (what DDP does). Half precision divides by the smallest power of two whose square is
+    at least ``dp_size`` before (exact, short of the subnormals) and by the rest after: a sum of
+    ``dp_size`` values divided by ``pre >= post`` overflows only where their average is within a
+    factor ``post / dp_size <= 1`` of the dtype's maximum (2 ranks never overflow where the
+    average does not), while small values keep most of their bits (what FSDP2 does).
 
     Example:
         >>> divide_factors(4, torch.float32)
         (4.0, 1.0)
-        >>> divide_factors(16, torch.bfloat16)
-        (4.0, 4.0)
+        >>> divide_factors(2, torch.float16)
+        (2.0, 1.0)
+        >>> divide_factors(8, torch.bfloat16)
+        (4.0, 2.0)
+        >>> divide_factors(6, torch.float16)
+        (4.0, 1.5)
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     if dtype not in (torch.float16, torch.bfloat16):
         return float(dp_size), 1.0
     pre = 1
-    while dp_size % (pre * 2) == 0 and dp_size / (pre * 2) >= pre * 2:
+    while pre * pre < dp_size:
         pre *= 2
-    return float(pre), float(dp_size // pre)
+    return float(pre), dp_size / pre

@@ -171,6 +171,25 @@ def test_sharded_grad_scaler(inf_rank):
             assert not skipped[1][0]  # the next step is taken
 
 
+def _fp16_reduce_worker(mesh_shape, local):
+    """Reduce in fp16 (no reduce_dtype) gradients whose average fits fp16 but whose sum may not."""
+    lin = nn.Linear(4, 6, bias=False)
+    fshard.fully_shard(lin, mesh=mesh_for(mesh_shape), mp_policy=fshard.MixedPrecision(param_dtype=torch.float16))
+    (lin(torch.ones(1, 4)).sum() * local[dist.get_rank()]).backward()  # every entry: local[rank]
+    return lin.weight.grad.unique().tolist()
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "local"), [((2,), (60000.0, 36000.0)), ((3,), (40000.0, 40000.0, 40000.0))], ids=str
+)
+def test_half_precision_reduce_overflows_only_where_the_average_would(mesh_shape, local):
+    """DDP's average of these fits fp16; so does fshard's (divided by 2 before the sum, where
+    the sum of 2 or 3 ranks' gradients would overflow)."""
+    average = sum(local) / len(local)
+    for values in get_pool(len(local)).run(_fp16_reduce_worker, mesh_shape, local):
+        assert values == [average]
+
+
 def test_mixed_precision_options_are_validated():
     with pytest.raises(TypeError, match="param_dtype must be None or one of"):
         fshard.MixedPrecision(param_dtype=torch.int8)

@@ -81,5 +81,5 @@ def test_divide_factors_average(n: int, dtype: torch.dtype) -> None:
     assert pre * post == n
     if dtype in (torch.float32, torch.float64):
         assert (pre, post) == (n, 1)
-    else:
-        assert pre <= n and post >= 1
+    else:  # a power of two dividing first, no smaller than what is left to divide after
+        assert pre == 2 ** math.ceil(math.log2(n) / 2) and pre >= post > pre / 4
