@@ -495,7 +495,11 @@ def clip_grad_norm_(
     dispatch), and torch's function would clip each rank by the norm of its own shards only.
 
     ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
-    every rank. ``foreach`` is accepted for compatibility with torch's signature: the clipping
+    every rank. The norm is computed in float32, or float64 if any parameter is float64.
+    Parameters fshard does not shard (``ignored_params``) count with the mean over the mesh's
+    ranks of their part of the norm (the max for ``inf``), so that every rank clips by the same
+    factor; that is their exact part when their gradients agree across ranks (all-reduce them
+    as DDP would). ``foreach`` is accepted for compatibility with torch's signature: the clipping
     always uses the ``_foreach`` kernels.
 
     Example:
@@ -511,33 +515,43 @@ def clip_grad_norm_(
             "not measure a gradient's size: torch's counts the params with a non-zero gradient)"
         )
     # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
-    # no gradient among them here (a peer may have some).
+    # no gradient among them here (a peer may have some): what runs depends on the params only.
     by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
     plain: list[torch.Tensor] = []
+    any_plain = False
+    wide = False  # a float64 (or complex128) param: the norm in float64, as torch computes it
     params = []
     for p in parameters:
         grad = p.grad
+        wide = wide or p.dtype in (torch.float64, torch.complex128)
         if is_sharded(p):
             slot = p._fshard_slot
             entry = by_group.setdefault(id(slot.mesh_info.shard_group), (slot.mesh_info, [], []))
             if grad is not None:
                 # A replicated (0-d) param is held whole by every shard rank: count it once.
                 (entry[2] if slot.layout.replicated else entry[1]).append(grad)
-        elif grad is not None:
-            plain.append(grad)
+        else:
+            any_plain = True
+            if grad is not None:
+                plain.append(grad)
         if grad is not None:
             params.append(p)
     if not by_group and not plain:
         return torch.tensor(0.0)
+    dtype = torch.float64 if wide else torch.float32
     # The norm lives on the compute device (the mesh's), also when CPU offload keeps grads on
     # the host: the all-reduce runs there.
     device = next(iter(by_group.values()))[0].device if by_group else plain[0].device
-    total = _local_norm_power(plain, norm_type, device)
+    total = _local_norm_power(plain, norm_type, device, dtype)
+    if by_group and any_plain:
+        # Params fshard does not shard (ignored_params) may hold a different gradient on each
+        # rank: count their mean over the mesh (max for inf), so every rank clips alike.
+        total = _mesh_mean_norm_power(total, norm_type, next(iter(by_group.values()))[0])
     for info, sharded, replicated in by_group.values():
-        part = _local_norm_power(sharded, norm_type, device)
+        part = _local_norm_power(sharded, norm_type, device, dtype)
         if info.shard_size > 1:
-            part = _all_reduce_norm_power(part, norm_type, info)
-        rep = _local_norm_power(replicated, norm_type, device)
+            part = _all_reduce_norm_power(part, norm_type, info.shard_group)
+        rep = _local_norm_power(replicated, norm_type, device, dtype)
         total = _combine(_combine(total, part, norm_type), rep, norm_type)
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
@@ -557,27 +571,43 @@ def clip_grad_norm_(
     return total_norm
 
 
-def _local_norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``sum |g|^p`` (or ``max |g|`` for inf) over local tensors, in fp32 or wider."""
+def _local_norm_power(
+    grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum |g|^p`` (or ``max |g|`` for inf) over local tensors, in ``dtype`` (fp32 or fp64)."""
     if not grads:
-        return torch.zeros((), device=device, dtype=torch.float32)
+        return torch.zeros((), device=device, dtype=dtype)
     if math.isinf(norm_type):
-        values = [g.detach().abs().max().float() if g.numel() else torch.zeros((), device=device) for g in grads]
-        return torch.stack([v.to(device) for v in values]).max()
+        values = [
+            g.detach().abs().max().to(device, dtype) if g.numel() else torch.zeros((), device=device, dtype=dtype)
+            for g in grads
+        ]
+        return torch.stack(values).max()
     norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
-    return torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
+    return torch.stack([n.to(device, dtype) for n in norms]).pow(norm_type).sum()
 
 
-def _all_reduce_norm_power(part: torch.Tensor, norm_type: float, info: MeshInfo) -> torch.Tensor:
-    """Sum (or, for inf, max) one rank's part of the norm over the shard group."""
+def _all_reduce_norm_power(part: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum (or, for inf, max) one rank's part of the norm over ``group``."""
     if not math.isinf(norm_type):
-        _collectives.all_reduce_(part, info.shard_group, label="clip_grad_norm_")  # NaN sums on
+        _collectives.all_reduce_(part, group, label="clip_grad_norm_")  # NaN sums on
         return part
     # A MAX all-reduce need not carry a NaN through (gloo's does not): reduce a NaN flag with it.
     nan = torch.isnan(part)
-    both = torch.stack([torch.where(nan, 0.0, part), nan.float()])
-    _collectives.all_reduce_(both, info.shard_group, label="clip_grad_norm_", op=dist.ReduceOp.MAX)
+    both = torch.stack([torch.where(nan, 0.0, part), nan.to(part.dtype)])
+    _collectives.all_reduce_(both, group, label="clip_grad_norm_", op=dist.ReduceOp.MAX)
     return torch.where(both[1] > 0, float("nan"), both[0])
+
+
+def _mesh_mean_norm_power(part: torch.Tensor, norm_type: float, info: MeshInfo) -> torch.Tensor:
+    """The mean (or, for inf, max) of one rank's ``part`` over every rank of ``info``'s mesh."""
+    groups = [(info.shard_group, info.shard_size)]
+    if info.replicate_group is not None:
+        groups.append((info.replicate_group, info.replicate_size))
+    for group, size in groups:
+        if size > 1:
+            part = _all_reduce_norm_power(part if math.isinf(norm_type) else part / size, norm_type, group)
+    return part
 
 
 def _combine(a: torch.Tensor, b: torch.Tensor, norm_type: float) -> torch.Tensor:

@@ -405,6 +405,44 @@ def test_clip_grad_norm_matches_torch(norm_type, mesh_shape):
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
 
 
+def _clip_fp64_and_ignored_worker(norm_type, ignored):
+    """float64 params (the norm must be float64, as torch's), and an unsharded (ignored) bias
+    whose gradient differs per rank unless all-reduced by the user."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    ddp = DDP(copy.deepcopy(model))
+    kwargs = {"ignored_params": [model[2].bias]} if ignored else {}
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)), **kwargs)
+    fshard.fully_shard(model, mesh=mesh_for((2,)), **kwargs)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().mean().backward()
+    ddp(x).square().mean().backward()
+    if ignored == "reduced":  # the user averages what fshard leaves alone, as DDP does
+        dist.all_reduce(model[2].bias.grad)
+        model[2].bias.grad /= dist.get_world_size()
+    want = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.01, norm_type)
+    got = fshard.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+    grads = {name: _full(p.grad, p) if fshard.is_sharded(p) else p.grad for name, p in model.named_parameters()}
+    ref = {name: p.grad for name, p in ddp.module.named_parameters()}
+    return got, want, grads, ref
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("ignored", [None, "reduced", "per_rank"])
+def test_clip_grad_norm_in_float64_and_with_ignored_params(norm_type, ignored):
+    results = get_pool(2).run(_clip_fp64_and_ignored_worker, norm_type, ignored)
+    assert results[0][0] == results[1][0]  # every rank clips its shards by one factor
+    for got, want, grads, ref in results:
+        assert got.dtype == want.dtype == torch.float64
+        if ignored == "per_rank":
+            continue  # the ignored bias's part is its mean over ranks: no unsharded equivalent
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref[name], rtol=1e-12, atol=1e-15)
+
+
 def _clip_nan_worker(norm_type, nan_rank):
     model = nn.Linear(8, 8)
     fshard.fully_shard(model, mesh=mesh_for((4,)))
