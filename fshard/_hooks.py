@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
 import sys
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,6 +43,7 @@ from fshard._errors import ProblemList, RankMismatchError, first_few, internal_e
 from fshard._group import ParamGroup, PendingAllReduce, PendingReduce, ShardedState, TrainingState
 from fshard._options import BackwardPrefetch
 from fshard._profiling import phase
+from fshard._sharded import is_sharded
 
 __all__ = [
     "BackwardPrefetch",
@@ -108,32 +109,53 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
         if not check_optimizer_state(optimizer):
             # Look again only after new units were made (its params may be sharded then).
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
-    if optimizer in _CHECKED_OPTIMIZERS and _stepped_by_unsharded_scaler():
-        raise TypeError(
-            "optimizer.step() was called by torch.amp.GradScaler on fshard's sharded "
-            "parameters: it looks for inf/nan in this rank's gradient shards only, so ranks "
-            "would skip different steps and the model would silently diverge. Use "
-            "fshard.ShardedGradScaler (same arguments), which agrees across ranks."
-        )
     _check_step_sees_reduced_grads(optimizer, *args)
 
 
-_SCALER_STEP = torch.amp.GradScaler._maybe_opt_step.__code__
+# [Note: torch's GradScaler on sharded parameters]
+# torch.amp.GradScaler looks for inf/nan in this rank's gradients only, which are shards: ranks
+# would skip different steps and the model would silently diverge. It must be refused on every
+# rank at once, before any rank decides to skip: a check in optimizer.step() would run only on
+# the ranks that step (a fused optimizer's step runs everywhere, but skips inside its kernel).
+# So, once the first unit exists, GradScaler.step checks its optimizer first (ShardedGradScaler,
+# a subclass, agrees across ranks and is let through).
+_SCALER_PATCHED: list[Callable[..., Any]] = []  # torch's GradScaler.step, once patched
+_SCALER_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _stepped_by_unsharded_scaler() -> bool:
-    """Whether a ``torch.amp.GradScaler`` that is not a ``ShardedGradScaler`` called this step
-    (a look at the few frames between the hook and the caller of ``optimizer.step``)."""
-    from fshard._amp import ShardedGradScaler
+def _refuse_unsharded_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    from fshard._amp import ShardedGradScaler  # imports this module
 
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code is _SCALER_STEP:
-            return not isinstance(frame.f_locals.get("self"), ShardedGradScaler)
-        frame = frame.f_back
-    return False
+    if isinstance(scaler, ShardedGradScaler) or not scaler.is_enabled():
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _SCALER_CHECKED.get(optimizer) == (_UNITS_MADE[0], len(params)):
+        return  # no sharded param the last time, and nothing new since
+    if not any(is_sharded(p) for p in params):
+        _SCALER_CHECKED[optimizer] = (_UNITS_MADE[0], len(params))
+        return
+    raise TypeError(
+        f"{type(scaler).__name__}.step() on fshard's sharded parameters: torch's GradScaler "
+        "looks for inf/nan in this rank's gradient shards only, so ranks would skip different "
+        "steps and the model would silently diverge. Use fshard.ShardedGradScaler (same "
+        "arguments), which agrees across ranks."
+    )
+
+
+def _patch_grad_scaler() -> None:
+    if _SCALER_PATCHED:
+        return
+    original = torch.amp.GradScaler.step
+
+    @functools.wraps(original)
+    def step(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        _refuse_unsharded_scaler(self, optimizer)
+        return original(self, optimizer, *args, **kwargs)
+
+    _SCALER_PATCHED.append(original)
+    torch.amp.GradScaler.step = step  # type: ignore[method-assign]
 
 
 def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
@@ -286,6 +308,7 @@ def register_unit(module: nn.Module, group: ParamGroup) -> None:
         _STEP_HOOK.append(
             register_optimizer_step_pre_hook(_check_optimizer_step)
         )
+        _patch_grad_scaler()  # see [Note: torch's GradScaler on sharded parameters]
     module.register_forward_pre_hook(
         _UncompiledUnitHook(_pre_forward, group), prepend=True, with_kwargs=True
     )

@@ -796,11 +796,19 @@ def _torch_grad_scaler_worker():
         scaler.scale(m(torch.randn(2, 4)).sum()).backward()
         scaler.step(opt)  # torch's scaler on a plain model, fshard's on a sharded one: fine
         scaler.update()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
-    with pytest.raises(TypeError, match=r"Use fshard\.ShardedGradScaler"):
-        scaler.step(opt)
+    # Every rank refuses, whichever ranks found an inf (a rank skipping the step must not go on
+    # alone), also with a fused optimizer (which skips inside its own step).
+    for inf_ranks, fused in (((), False), ((1,), False), ((0, 1), False), ((1,), True)):
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        if dist.get_rank() in inf_ranks:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(TypeError, match=r"Use fshard\.ShardedGradScaler"):
+            scaler.step(opt)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        opt.zero_grad()
     return True
 
 
