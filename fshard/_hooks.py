@@ -212,21 +212,13 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "and would never update the shards. Build it over model.parameters() outside "
             "forward and backward, or call fshard.reshard(model) first."
         )
-    if sharded and isinstance(optimizer, torch.optim.LBFGS):
+    whole = _looks_across_parameters(optimizer) if sharded else None
+    if whole is not None:
+        name, why = whole
         raise TypeError(
-            "torch.optim.LBFGS cannot step fshard's sharded parameters: its line search takes "
-            "dot products over whole parameters, and each rank holds only its shards, so the "
-            "ranks would take different steps. Use an elementwise optimizer (SGD, Adam, AdamW, "
-            "...), or run LBFGS on an unsharded model."
-        )
-    adafactor = getattr(torch.optim, "Adafactor", None)  # torch >= 2.5
-    if sharded and adafactor is not None and isinstance(optimizer, adafactor):
-        raise TypeError(
-            "torch.optim.Adafactor cannot step fshard's sharded parameters: it factors each "
-            "matrix's second moment into statistics over its whole rows and columns, and each "
-            "rank holds only some rows, so the ranks would take steps DDP would not (and a "
-            "rank with an empty shard divides by zero). Use an elementwise optimizer (Adam, "
-            "AdamW, ...), or run Adafactor on an unsharded model."
+            f"torch.optim.{name} cannot step fshard's sharded parameters: {why}, and each rank "
+            "holds only some rows, so the ranks would take steps DDP would not. Use an "
+            f"elementwise optimizer (SGD, Adam, AdamW, ...), or run {name} on an unsharded model."
         )
     if sharded and unowned and data_parallel > 1:
         # [Note: parameters no unit owns] A head kept outside the sharded module (a wrapper
@@ -246,11 +238,35 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     if wrong:
         raise ValueError(
             f"optimizer state of sharded parameter(s) {first_few(wrong)} has the full parameter's shape: "
-            "the optimizer was stepped before fully_shard. Build the optimizer after sharding "
-            "(or before, but step it only after), or move its state with "
+            "the optimizer was stepped before fully_shard, or optimizer.load_state_dict loaded "
+            "an unsharded run's state dict (or fshard.optim_state_dict(full=True)). Build the "
+            "optimizer after sharding (or before, but step it only after), and move state with "
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
     return sharded
+
+
+# Optimizers whose update of a parameter depends on all of it, by torch.optim class name.
+_WHOLE_PARAMETER_OPTIMIZERS = {
+    "LBFGS": "its line search takes dot products over whole parameters",
+    "Adafactor": (
+        "it factors each matrix's second moment into statistics over its whole rows and columns "
+        "(a rank with an empty shard divides by zero)"
+    ),
+    "Muon": (
+        "it orthogonalises each whole weight matrix (Newton-Schulz) and scales its step by the "
+        "matrix's shape"
+    ),
+}
+
+
+def _looks_across_parameters(optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
+    """``(name, why)`` if ``optimizer`` is a torch optimizer that needs whole parameters."""
+    for name, why in _WHOLE_PARAMETER_OPTIMIZERS.items():
+        cls = getattr(torch.optim, name, None)  # Adafactor: torch >= 2.5; Muon: later
+        if cls is not None and isinstance(optimizer, cls):
+            return name, why
+    return None
 
 
 def _never_stepped(state: dict[str, Any]) -> bool:

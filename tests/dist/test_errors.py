@@ -125,6 +125,9 @@ def _unsupported_gradients_worker() -> list[str]:
     model(torch.ones(2, 4)).sum().backward()
     with pytest.raises(TypeError, match="torch.optim.Adafactor cannot step fshard's sharded parameters"):
         opt.step()
+    if hasattr(torch.optim, "Muon"):  # orthogonalises whole matrices
+        with pytest.raises(TypeError, match="torch.optim.Muon cannot step .* orthogonalises each whole"):
+            torch.optim.Muon([model.weight]).step()
     with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates") as info:
         torch.func.grad(lambda x: model(x).sum())(torch.ones(2, 4))
     messages.append(str(info.value))
