@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
@@ -105,11 +106,72 @@ _UNITS_MADE = [0]  # units made in this process so far
 
 def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
     """Process-wide ``optimizer.step()`` pre-hook (registered with the first unit)."""
-    if optimizer not in _CHECKED_OPTIMIZERS and _UNSHARDED_AT.get(optimizer) != _UNITS_MADE[0]:
+    if optimizer in _CHECKED_OPTIMIZERS or _UNSHARDED_AT.get(optimizer) != _UNITS_MADE[0]:
         if not check_optimizer_state(optimizer):
             # Look again only after new units were made (its params may be sharded then).
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
     _check_step_sees_reduced_grads(optimizer, *args)
+
+
+# [Note: plain optimizer state dicts of sharded parameters]
+# A plain ``opt.state_dict()`` holds this rank's shards of the state. DDP's habit of rank 0
+# saving it and every rank loading it would give every rank rank 0's rows, shaped like its own
+# when the shards are even: silently wrong moments. So the state dict of an optimizer with
+# sharded params records, in each param group that has some, which shard of which mesh size
+# each of its meshes holds (``[[shard_rank, shard_size], ...]``); ``optimizer.load_state_dict``
+# keeps unknown group keys, and the next step compares the record with this rank's and drops
+# it. That step also checks the loaded state itself (``optimizer.load_state_dict`` makes new
+# param groups, so a change of their identities means new state): full-shape tensors and
+# DTensors (``fshard.optim_state_dict``'s, for ``fshard.load_optim_state_dict``) are clear
+# errors, not failures deep inside the update.
+SHARDS_KEY = "fshard_shards"
+_GROUPS_SEEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shards_of(params: list[torch.Tensor]) -> list[list[int]]:
+    """``[[shard_rank, shard_size], ...]`` of the meshes of the sharded ``params``, in order."""
+    seen: dict[int, list[int]] = {}
+    for param in params:
+        slot = param.__dict__.get("_fshard_slot") if isinstance(param, torch.Tensor) else None
+        if slot is not None:
+            info = slot.mesh_info
+            seen.setdefault(id(info.shard_group), [info.shard_rank, info.shard_size])
+    return list(seen.values())
+
+
+def _stamp_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.state_dict()`` post-hook: record the shards (see the Note)."""
+    for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", ()), strict=False):
+        shards = _shards_of(group["params"])
+        if shards and isinstance(saved, dict):
+            saved[SHARDS_KEY] = shards
+
+
+def _check_loaded_shards(optimizer: torch.optim.Optimizer) -> None:
+    """Compare the shard records that a load put in the param groups with this rank's."""
+    problems = []
+    for index, group in enumerate(optimizer.param_groups):
+        saved = group.get(SHARDS_KEY)
+        if saved is None:
+            continue
+        mine = _shards_of(group["params"])
+        if [list(s) for s in saved] != mine:
+            what = ", ".join(f"shard {r} of {n}" for r, n in saved)
+            here = ", ".join(f"shard {r} of {n}" for r, n in mine) or "no sharded params"
+            problems.append(f"param_groups[{index}] was saved holding {what}, but holds {here} here")
+    if problems:
+        raise ValueError(
+            "optimizer.load_state_dict loaded the optimizer state of other shards: "
+            + "; ".join(problems)
+            + ". A plain optimizer.state_dict() holds its rank's shards only, so each rank must "
+            "load its own (not rank 0's, as with DDP). To save once and load anywhere (any "
+            "world size), use fshard.optim_state_dict / fshard.load_optim_state_dict or "
+            "fshard.checkpoint."
+        )
+    for group in optimizer.param_groups:
+        group.pop(SHARDS_KEY, None)
 
 
 # [Note: torch's GradScaler on sharded parameters]
@@ -170,6 +232,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     """
     wrong = []
     gathered = []
+    dtensors: list[str] = []
     unowned: list[str] = []
     sharded = False
     data_parallel = 1
@@ -189,6 +252,9 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
                 continue
             layout = slot.layout
             state = optimizer.state[param]
+            if any(isinstance(value, DTensor) for value in state.values()):
+                dtensors.append(slot.fqn)
+                continue
             full_keys = [
                 key
                 for key, value in state.items()
@@ -211,6 +277,13 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "built while the model was gathered (after fshard.unshard, or inside a forward), "
             "and would never update the shards. Build it over model.parameters() outside "
             "forward and backward, or call fshard.reshard(model) first."
+        )
+    if dtensors:
+        raise ValueError(
+            f"optimizer state of sharded parameter(s) {first_few(dtensors)} holds DTensors: "
+            "optimizer.load_state_dict loaded a state dict of fshard.optim_state_dict (or a "
+            "DTensor checkpoint). Load those with fshard.load_optim_state_dict(model, "
+            "optimizer, state_dict), which takes this rank's shards."
         )
     whole = _looks_across_parameters(optimizer) if sharded else None
     if whole is not None:
@@ -279,11 +352,18 @@ def _never_stepped(state: dict[str, Any]) -> bool:
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     """The first-step check (``_check_state_is_sharded``), once per optimizer with sharded
-    params; also run by the state dict functions. Returns whether it has sharded params."""
-    if optimizer in _CHECKED_OPTIMIZERS:
+    params and again after a load (new param groups; see [Note: plain optimizer state dicts
+    of sharded parameters]); also run by the state dict functions. Returns whether it has
+    sharded params."""
+    groups = tuple(map(id, optimizer.param_groups))
+    if optimizer in _CHECKED_OPTIMIZERS and _GROUPS_SEEN.get(optimizer) == groups:
         return True
     if _check_state_is_sharded(optimizer):
-        _CHECKED_OPTIMIZERS.add(optimizer)
+        _check_loaded_shards(optimizer)
+        if optimizer not in _CHECKED_OPTIMIZERS:
+            optimizer.register_state_dict_post_hook(_stamp_state_dict)
+            _CHECKED_OPTIMIZERS.add(optimizer)
+        _GROUPS_SEEN[optimizer] = groups
         return True
     return False
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import ProblemList, internal_error
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._hooks import check_optimizer_state, unit_of, units_or_error
+from fshard._hooks import SHARDS_KEY, check_optimizer_state, unit_of, units_or_error
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard.transforms import Layout, TensorLayout
@@ -890,7 +890,7 @@ STRICT_HINT = (
 
 # Group entries that are not hyperparameters: the optimizer's own parameters and their names
 # (torch records ``param_names`` for optimizers built from ``named_parameters()``).
-_NOT_HYPERPARAMETERS = frozenset({"params", "param_names"})
+_NOT_HYPERPARAMETERS = frozenset({"params", "param_names", SHARDS_KEY})
 
 _OTHER_CLASS_HINT = (
     "Build the optimizer with the class (and param groups) of the run that saved the state, or "

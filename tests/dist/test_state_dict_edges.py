@@ -308,3 +308,44 @@ def _submodule_state_dict_task():
 
 def test_state_dict_of_a_module_that_is_not_a_unit_is_dtensors_and_loads_full_tensors():
     assert all(get_pool(2).run(_submodule_state_dict_task))
+
+
+def _plain_optim_state_dict_task():
+    """``opt.state_dict()`` / ``opt.load_state_dict()`` (torch's own) on sharded parameters."""
+    torch.manual_seed(0)
+    model = fshard.fully_shard(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4)), mesh=mesh_for((2,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, opt, steps=2)
+    own = opt.state_dict()
+    assert own["param_groups"][0]["fshard_shards"] == [[dist.get_rank(), 2]]
+    from_rank0 = [own]
+    dist.broadcast_object_list(from_rank0, src=0)  # DDP's habit: rank 0 saves, every rank loads
+    snapshots = {
+        "rank 0's": from_rank0[0],
+        "sharded": fshard.optim_state_dict(model, opt),
+        "full": fshard.optim_state_dict(model, opt, full=True, rank0_only=False),
+    }
+    errors = {}
+    for what, snapshot in snapshots.items():
+        opt.load_state_dict(copy.deepcopy(snapshot))
+        try:
+            _train(model, opt)
+        except ValueError as exc:
+            errors[what] = str(exc)
+        opt.load_state_dict(own)  # each rank its own: fine
+        _train(model, opt)
+        assert all("fshard_shards" not in group for group in opt.param_groups)
+    return errors
+
+
+def test_torch_optimizer_load_state_dict_of_other_shards_or_layouts_is_an_error():
+    """Each rank must load its own plain state dict; fshard.optim_state_dict's (DTensors, or full
+    tensors) go through fshard.load_optim_state_dict. Not silently wrong moments, nor an error
+    deep inside the update."""
+    rank0, rank1 = get_pool(2).run(_plain_optim_state_dict_task)
+    assert set(rank0) == {"sharded", "full"} and set(rank1) == {"rank 0's", "sharded", "full"}
+    assert "was saved holding shard 0 of 2, but holds shard 1 of 2 here" in rank1["rank 0's"]
+    assert "each rank must load its own" in rank1["rank 0's"]
+    for errors in (rank0, rank1):
+        assert "holds DTensors" in errors["sharded"] and "fshard.load_optim_state_dict" in errors["sharded"]
+        assert "has the full parameter's shape" in errors["full"]
