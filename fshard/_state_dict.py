@@ -1213,6 +1213,16 @@ def _match_groups(
     missing = [n for group in named_groups for n, _ in group if n not in group_of]
     unexpected = sorted((set(group_of) | set(saved.state)) - known)
     if strict:
+        # Groups holding the same parameters match in any order (names, not positions).
+        by_names = {frozenset(g.get("params", [])): i for i, g in enumerate(saved.groups)}
+        by_set = [by_names.get(frozenset(n for n, _ in current)) for current in named_groups]
+        if (
+            len(saved.groups) == len(named_groups)
+            and None not in by_set
+            and len(set(by_set)) == len(by_set)
+            and not set(saved.state) - known
+        ):
+            return by_set, [], []
         if len(saved.groups) != len(named_groups):
             problems.add(
                 f"the state dict has {len(saved.groups)} param group(s) but the optimizer has "

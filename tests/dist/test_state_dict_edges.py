@@ -210,6 +210,26 @@ def test_load_optim_state_dict_takes_an_unsharded_runs_plain_state_dict(world, m
     assert all(get_pool(world).run(_plain_optim_task, mesh_shape))
 
 
+def _reordered_groups_task():
+    """Groups built in another order (no decay first) load by their parameter names, strict."""
+    model = C.build_sharded((2,))
+    opt = torch.optim.AdamW(_decay_groups(model, 0.05))
+    C.train(model, opt, range(2))
+    osd = fshard.optim_state_dict(model, opt)
+    fresh = torch.optim.AdamW(_decay_groups(model, 1.0)[::-1])
+    result = fshard.load_optim_state_dict(model, fresh, osd)
+    assert result == fshard.LoadResult([], [])
+    assert [(g["lr"], g["weight_decay"]) for g in fresh.param_groups] == [(0.025, 0.0), (0.05, 0.1)]
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
+    return True
+
+
+def test_load_optim_state_dict_matches_reordered_groups_by_their_parameters():
+    assert all(get_pool(2).run(_reordered_groups_task))
+
+
 def _plain_optim_errors_task(case):
     plain = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)  # one group of 4 params
