@@ -1503,8 +1503,9 @@ def _validate_across_ranks(root: ParamGroup, groups: list[ParamGroup]) -> None:
         shown = ", ".join(repr(n) for n in on_meta[:5]) + (" ..." if len(on_meta) > 5 else "")
         raise ValueError(
             f"{len(on_meta)} parameter(s) are still on the meta device at the first forward: "
-            f"{shown}. Call fshard.materialize(model) after fully_shard, or load weights with "
-            "fshard.load_state_dict(model, state_dict)."
+            f"{shown}. Call fshard.materialize(model) after fully_shard, then load weights if "
+            "you have them (fshard.load_state_dict(model, state_dict), broadcast_from_rank0=True "
+            "to read them on rank 0 only)."
         )
 
 

@@ -484,7 +484,7 @@ def on_module_load_state_dict(
     (or, with uneven shards, some ranks only). ``state_dict`` is ``load_state_dict``'s own copy
     of the caller's dict.
     """
-    where = f"{type(module).__name__}.load_state_dict"
+    where = "load_state_dict"  # the hooked module may be a child of the one called
     keys = [(prefix + name, slot) for name, slot in owned.items() if prefix + name in state_dict]
     if not keys:
         return
