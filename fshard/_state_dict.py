@@ -843,11 +843,24 @@ def _receive_shard(
     source: torch.Tensor | None,
     key: str,
 ) -> None:
+    target = _local(slot)
+    rows = _scatter_rows(slot, src, in_row, rep_src, source, target.dtype, f"load_state_dict({key})")
+    target.copy_(rows)
+
+
+def _scatter_rows(
+    slot: ParamSlot,
+    src: int,
+    in_row: bool,
+    rep_src: int | None,
+    source: torch.Tensor | None,
+    dtype: torch.dtype,
+    label: str,
+) -> torch.Tensor:
+    """This rank's rows (shaped like the slot's shard) of ``source``, a full tensor on ``src``."""
     info = slot.mesh_info
     layout = slot.layout
-    target = _local(slot)
-    label = f"load_state_dict({key})"
-    buf = torch.empty(layout.slot_numel, dtype=target.dtype, device=info.device)
+    buf = torch.empty(layout.slot_numel, dtype=dtype, device=info.device)
     if layout.replicated or info.shard_size == 1:
         if source is not None:
             buf.copy_(source.detach().reshape(-1))
@@ -856,15 +869,13 @@ def _receive_shard(
     elif in_row:
         full_padded = None
         if source is not None:
-            full_padded = torch.zeros(
-                info.shard_size * layout.slot_numel, dtype=target.dtype, device=info.device
-            )
+            full_padded = torch.zeros(info.shard_size * layout.slot_numel, dtype=dtype, device=info.device)
             full_padded[: layout.full_numel].copy_(source.detach().reshape(-1))
         _collectives.scatter_into(buf, full_padded, src, info.shard_group, label=label)
         del full_padded
     if rep_src is not None:
         _collectives.broadcast_(buf, rep_src, info.replicate_group, label=label)
-    target.copy_(buf[: layout.local_numel].view(layout.local_shape))
+    return buf[: layout.local_numel].view(layout.local_shape)
 
 
 # -------------------------------------------------------------------------------- optimizer
@@ -1086,6 +1097,7 @@ def load_optim_state_dict(
     state_dict: Mapping[str, Any],
     *,
     strict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> LoadResult:
     """Load an optimizer state dict (sharded or full, from any mesh) into ``optim``.
 
@@ -1115,6 +1127,12 @@ def load_optim_state_dict(
     The optimizer gets its own copies: it never shares a tensor with ``state_dict`` (or with
     the optimizer that produced it), so stepping one cannot change the other.
 
+    With ``broadcast_from_rank0=True`` only rank 0 (of the mesh) needs the state dict, a full
+    one (``fshard.optim_state_dict(model, opt, full=True, rank0_only=True)``, or an unsharded
+    run's ``opt.state_dict()``); other ranks pass anything (``{}``). Rank 0 sends each tensor
+    in turn, scattering the rows of those shaped like their parameter, so no rank holds more
+    than one full tensor of it at a time.
+
     Example:
         >>> osd = fshard.optim_state_dict(model, opt)         # doctest: +SKIP
         >>> fshard.load_optim_state_dict(model, opt, osd)     # doctest: +SKIP
@@ -1122,8 +1140,87 @@ def load_optim_state_dict(
         >>> plain = unsharded_opt.state_dict()                # doctest: +SKIP
         >>> fshard.load_optim_state_dict(model, opt, plain)   # doctest: +SKIP
         LoadResult(missing_keys=[], unexpected_keys=[])
+        >>> full = fshard.optim_state_dict(model, opt, full=True, rank0_only=True)  # doctest: +SKIP
+        >>> fshard.load_optim_state_dict(model, opt, full, broadcast_from_rank0=True)  # doctest: +SKIP
+        LoadResult(missing_keys=[], unexpected_keys=[])
     """
+    if broadcast_from_rank0:
+        where = "fshard.load_optim_state_dict(broadcast_from_rank0=True)"
+        received = _optim_from_rank0(model, optim, state_dict, where)
+        return _load_optim(model, optim, received, copy=False, strict=strict, where=where)
     return _load_optim(model, optim, state_dict, copy=True, strict=strict)
+
+
+def _optim_from_rank0(
+    model: nn.Module, optim: torch.optim.Optimizer, state_dict: Any, where: str
+) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank, name-keyed, parameter-shaped state as
+    DTensors of this rank's rows (the load then takes them without communication)."""
+    info = _root_info(model, where)
+    src = _src_rank(info)
+    is_src = dist.get_rank() == src
+    problems: list[str] = []
+    skeleton: dict[str, Any] | None = None
+    saved: _SavedOptim | None = None
+    if is_src:
+        try:
+            if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
+                raise ValueError(
+                    f"{where}: rank {src} must pass a full optimizer state dict (a mapping with "
+                    "'state' and 'param_groups'), got "
+                    f"{type(state_dict).__name__}"
+                )
+            saved = _by_name(state_dict, _named_params(model, optim, where)[0], where)
+        except ValueError as exc:
+            problems.append(str(exc))
+        else:
+            described: dict[str, Any] = {}
+            for name, entries in saved.state.items():
+                if not isinstance(entries, Mapping):
+                    problems.append(f"{where}: the state of {name!r} is not a mapping")
+                    continue
+                described[name] = {}
+                for key, value in entries.items():
+                    if isinstance(value, DTensor):
+                        problems.append(
+                            f"{where}: state {key!r} of {name!r} is a DTensor; "
+                            "broadcast_from_rank0 loads a full state dict (full=True) of plain "
+                            "tensors (load sharded state dicts on every rank instead)"
+                        )
+                    elif isinstance(value, torch.Tensor):
+                        described[name][key] = ("tensor", tuple(value.shape), value.dtype)
+                    else:
+                        described[name][key] = ("object", value)
+            skeleton = {"param_groups": [dict(g) for g in saved.groups], "state": described}
+            if OPTIMIZER_CLASS_KEY in state_dict:
+                skeleton[OPTIMIZER_CLASS_KEY] = state_dict[OPTIMIZER_CLASS_KEY]
+    everyone = _mesh_all_gather_objects(info, (dist.get_rank(), problems, skeleton), label=where)
+    failed = ProblemList(where)
+    for _, rank_problems, _ in everyone:
+        failed.extend(p.removeprefix(f"{where}: ") for p in rank_problems)
+    failed.raise_if_any(ValueError)
+    skeleton = next(item[2] for item in everyone if item[0] == src)
+    assert skeleton is not None  # rank src had no problems
+    slots = {name: slot for name, slot in _param_names(_entries(model, where)).values() if slot is not None}
+    in_row = _in_src_row(info, src)
+    rep_src = _replicate_src(info, src)
+    state: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for name, entries in skeleton["state"].items():
+            state[name] = {}
+            for key, meta in entries.items():
+                if meta[0] == "object":
+                    state[name][key] = meta[1]
+                    continue
+                source = saved.state[name][key] if saved is not None else None
+                slot = slots.get(name)
+                label = f"{where}: {name}.{key}"
+                if slot is not None and not slot.layout.replicated and meta[1] == tuple(slot.layout.full_shape):
+                    rows = _scatter_rows(slot, src, in_row, rep_src, source, meta[2], label)
+                    state[name][key] = _as_dtensor(slot, rows)
+                else:
+                    state[name][key] = _broadcast_full(info, src, in_row, rep_src, source, meta, label)
+    return {**skeleton, "state": state}
 
 
 class _SavedOptim(NamedTuple):

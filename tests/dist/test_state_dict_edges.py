@@ -4,6 +4,7 @@ load time, tied keys, and ``model.state_dict()`` while a unit is gathered."""
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 
 import pytest
@@ -369,3 +370,39 @@ def test_torch_optimizer_load_state_dict_of_other_shards_or_layouts_is_an_error(
     for errors in (rank0, rank1):
         assert "holds DTensors" in errors["sharded"] and "fshard.load_optim_state_dict" in errors["sharded"]
         assert "has the full parameter's shape" in errors["full"]
+
+
+def _optim_from_rank0_task(mesh_shape, source):
+    """Only rank 0 holds the full optimizer state (rank0_only, or an unsharded run's)."""
+    model = C.build_sharded(mesh_shape)
+    opt = torch.optim.AdamW(_decay_groups(model, 0.05))
+    C.train(model, opt, range(2))
+    rank0 = dist.get_rank() == 0
+    if source == "rank0_only":
+        osd = fshard.optim_state_dict(model, opt, full=True, rank0_only=True)
+        assert bool(osd) == rank0
+    else:  # an unsharded run's plain opt.state_dict(), by position, read on rank 0 only
+        plain = C.build()
+        plain_opt = torch.optim.AdamW(_decay_groups(plain, 0.05))
+        # torch maps the names in the params lists by position: the same state, unsharded.
+        plain_opt.load_state_dict(fshard.optim_state_dict(model, opt, full=True))
+        osd = plain_opt.state_dict() if rank0 else None
+    fresh = torch.optim.AdamW(_decay_groups(model, 1.0))
+    result = fshard.load_optim_state_dict(model, fresh, osd, broadcast_from_rank0=True)
+    assert result == fshard.LoadResult([], [])
+    assert [g["lr"] for g in fresh.param_groups] == [0.05, 0.025]
+    for p in model.parameters():
+        assert set(fresh.state[p]) == set(opt.state[p])
+        for key, value in opt.state[p].items():
+            assert type(fresh.state[p][key]) is torch.Tensor, key
+            torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
+    # A DTensor on rank 0 (a sharded state dict) is an error on every rank, before any transfer.
+    sharded = fshard.optim_state_dict(model, opt)
+    with pytest.raises(ValueError, match="is a DTensor; broadcast_from_rank0 loads a full state dict"):
+        fshard.load_optim_state_dict(model, fresh, sharded if rank0 else {}, broadcast_from_rank0=True)
+    return True
+
+
+@pytest.mark.parametrize(("mesh_shape", "source"), [((2,), "rank0_only"), ((2, 2), "rank0_only"), ((2,), "unsharded")], ids=str)
+def test_load_optim_state_dict_broadcast_from_rank0(mesh_shape, source):
+    assert all(get_pool(math.prod(mesh_shape)).run(_optim_from_rank0_task, mesh_shape, source))
