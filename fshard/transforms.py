@@ -64,6 +64,7 @@ Coord = tuple[int, ...]
 """A rank's coordinate in a mesh: ``(shard_rank,)`` on 1D, ``(replicate_rank, shard_rank)`` on 2D.
 
 Example:
+    >>> from fshard.transforms import Coord
     >>> coord: Coord = (1, 0)  # replica 1, shard 0 of a 2x2 mesh
 """
 PathKey = tuple[Any, ...]
@@ -93,6 +94,7 @@ class TensorLayout:
     ``torch.chunk``, as DTensor's ``Shard(d)``).
 
     Example:
+        >>> from fshard.transforms import TensorLayout
         >>> w = TensorLayout(full_shape=(5, 3), dtype="float32", mesh_shape=(4,), placements=("S(0)",))
         >>> [w.local_shape((r,)) for r in range(4)]
         [(2, 3), (2, 3), (1, 3), (0, 3)]
@@ -199,6 +201,7 @@ class Layout(Mapping[str, TensorLayout]):
     ``fshard.layout_of(model)`` builds one from a sharded model; you can also write one by hand.
 
     Example:
+        >>> from fshard.transforms import Layout, TensorLayout
         >>> layout = Layout((2,), {"w": TensorLayout((3,), "float32", (2,), ("S(0)",))})
         >>> list(layout), layout["w"].local_shape((1,)), layout.coords()
         (['w'], (1,), [(0,), (1,)])
@@ -461,6 +464,8 @@ def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
     (Adam's ``step``).
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import Layout, TensorLayout, shard
         >>> layout = Layout((2,), {"w": TensorLayout((3, 2), "float32", (2,), ("S(0)",))})
         >>> sd = {"w": torch.arange(6.).view(3, 2), "step": 7}
         >>> shard(sd, layout, (1,))
@@ -483,6 +488,8 @@ def unshard(local_sds_by_coord: Mapping[Coord, Any], layout: Layout) -> Any:
     Sharded tensors come back as new tensors, replicated leaves as the first coordinate's objects.
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import Layout, TensorLayout, unshard
         >>> layout = Layout((2,), {"w": TensorLayout((3,), "float32", (2,), ("S(0)",))})
         >>> unshard({(0,): {"w": torch.tensor([1., 2.])}, (1,): {"w": torch.tensor([3.])}}, layout)
         {'w': tensor([1., 2., 3.])}
@@ -510,6 +517,8 @@ def reshard(
     shards are compact copies (they keep no full tensor alive).
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import Layout, TensorLayout, reshard
         >>> old = Layout((2,), {"w": TensorLayout((3,), "float32", (2,), ("S(0)",))})
         >>> new = Layout((3,), {"w": TensorLayout((3,), "float32", (3,), ("S(0)",))})
         >>> out = reshard({(0,): {"w": torch.tensor([1., 2.])}, (1,): {"w": torch.tensor([3.])}}, old, new)
@@ -570,6 +579,7 @@ def map_keys(tree: Mapping[str, Any], fn: Callable[[str], str]) -> dict[str, Any
     same name are an error naming both.
 
     Example:
+        >>> from fshard.transforms import map_keys
         >>> map_keys({"a.w": 1, "b": 2}, lambda k: k.replace("a.", "enc."))
         {'enc.w': 1, 'b': 2}
     """
@@ -601,6 +611,7 @@ def strip_prefix(
     ``map_keys(sd, lambda k: k.replace("._orig_mod.", "."))`` for that.
 
     Example:
+        >>> from fshard.transforms import strip_prefix
         >>> strip_prefix({"module._orig_mod.fc.weight": 1})
         {'fc.weight': 1}
     """
@@ -637,6 +648,8 @@ def cast(
     not. Pass ``skip_keys=()`` to cast everything.
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import cast
         >>> out = cast({"w": torch.ones(2), "n": torch.tensor(3)}, torch.bfloat16)
         >>> out["w"].dtype, out["n"].dtype
         (torch.bfloat16, torch.int64)
@@ -672,6 +685,8 @@ def to_cpu(tree: Any) -> Any:
     """Move every tensor of ``tree`` to the CPU (CPU tensors are returned as they are).
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import to_cpu
         >>> to_cpu({"w": torch.ones(1)})["w"].device
         device(type='cpu')
     """
@@ -687,6 +702,8 @@ def to_local(tree: Any) -> Any:
     ``unshard`` and ``reshard`` take for that rank's coordinate.
 
     Example:
+        >>> import torch
+        >>> from fshard.transforms import to_local
         >>> to_local({"w": torch.ones(1)})
         {'w': tensor([1.])}
     """

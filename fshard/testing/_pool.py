@@ -39,6 +39,8 @@ class RanksFailed(RuntimeError):
     """One or more ranks raised; ``errors`` maps rank -> exception, ``tracebacks`` rank -> text.
 
     Example:
+        >>> import pytest
+        >>> from fshard.testing import RanksFailed, get_pool
         >>> with pytest.raises(RanksFailed) as info:        # doctest: +SKIP
         ...     get_pool(2).run(function_that_raises)
         >>> isinstance(info.value.errors[0], ValueError)    # doctest: +SKIP
@@ -60,7 +62,11 @@ class RankDied(RuntimeError):
     """A rank process exited while running a task (the pool restarts on next use).
 
     Example:
-        >>> with pytest.raises(RankDied):   # doctest: +SKIP
+        >>> import os
+        >>> import pytest
+        >>> from fshard.testing import RankDied, get_pool
+        >>> pool = get_pool(2)                # doctest: +SKIP
+        >>> with pytest.raises(RankDied):     # doctest: +SKIP
         ...     pool.run(os._exit, 3)
     """
 
@@ -69,6 +75,9 @@ class RankTimeout(TimeoutError):
     """Some ranks did not finish a task within the timeout (a hang; the pool is stopped).
 
     Example:
+        >>> import pytest
+        >>> from fshard.testing import RankTimeout, get_pool
+        >>> pool = get_pool(2)                               # doctest: +SKIP
         >>> with pytest.raises(RankTimeout):                 # doctest: +SKIP
         ...     pool.run(task_where_one_rank_skips_a_collective, timeout=20)
     """
@@ -309,6 +318,7 @@ def get_pool(world_size: int, *, backend: str = "gloo") -> RankPool:
     """The process-wide pool for ``world_size`` ranks, started on first use and then reused.
 
     Example:
+        >>> from fshard.testing import get_pool
         >>> pool = get_pool(2)      # doctest: +SKIP
         >>> pool.run(len, [1, 2])   # doctest: +SKIP
         [2, 2]
@@ -325,6 +335,7 @@ def shutdown_pools() -> None:
     """Stop every pool started by ``get_pool`` (also runs at interpreter exit).
 
     Example:
+        >>> from fshard.testing import shutdown_pools
         >>> shutdown_pools()  # e.g. in a session-scoped pytest fixture's teardown
     """
     for pool in _POOLS.values():

@@ -32,6 +32,7 @@ def divisor_pairs(n: int) -> list[tuple[int, int]]:
     """``(replicate, shard)`` pairs whose product is ``n``.
 
     Example:
+        >>> from fshard.testing.strategies import divisor_pairs
         >>> divisor_pairs(4)
         [(1, 4), (2, 2), (4, 1)]
     """
@@ -42,11 +43,12 @@ def mesh_shapes(*, world_size: int, allow_2d: bool = True) -> st.SearchStrategy[
     """A 1D ``(world_size,)`` mesh or a 2D ``(replicate, shard)`` mesh over ``world_size`` ranks.
 
     Example:
-        >>> mesh_shapes(world_size=4)
-        sampled_from([(4,), (1, 4), (2, 2), (4, 1)])
         >>> import functools
         >>> from hypothesis import given
         >>> from fshard.testing import assert_equivalent_to_ddp, models
+        >>> from fshard.testing.strategies import mesh_shapes
+        >>> mesh_shapes(world_size=4)
+        sampled_from([(4,), (1, 4), (2, 2), (4, 1)])
         >>> spec = models.MLPSpec()
         >>> @given(mesh_shapes(world_size=4))
         ... def test_mlp_matches_ddp(mesh_shape):
@@ -81,6 +83,7 @@ def mlp_specs(
     Example:
         >>> from hypothesis import given
         >>> from fshard.testing.models import build_model, compute_loss, make_batch
+        >>> from fshard.testing.strategies import mlp_specs
         >>> @given(mlp_specs(max_layers=2))
         ... def test_loss_is_finite(spec):
         ...     loss = compute_loss(spec, build_model(spec), make_batch(spec, step=0, rank=0))
@@ -140,6 +143,7 @@ def transformer_specs(
     Example:
         >>> from hypothesis import given
         >>> from fshard.testing.models import build_model, make_batch
+        >>> from fshard.testing.strategies import transformer_specs
         >>> @given(transformer_specs(max_layers=1))
         ... def test_logits_shape(spec):
         ...     tokens, targets = make_batch(spec, step=0, rank=0)
@@ -177,6 +181,7 @@ def model_specs(*, dtype: torch.dtype = torch.float32) -> st.SearchStrategy[Mode
         >>> import torch
         >>> from hypothesis import given
         >>> from fshard.testing import assert_equivalent_to_ddp, models
+        >>> from fshard.testing.strategies import model_specs
         >>> @given(model_specs(dtype=torch.float64))
         ... def test_matches_ddp(spec):
         ...     skips = isinstance(spec, models.MLPSpec) and spec.skip_layer is not None
@@ -199,6 +204,7 @@ def param_shapes(*, max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy[t
     Example:
         >>> import torch
         >>> from hypothesis import given
+        >>> from fshard.testing.strategies import param_shapes
         >>> from fshard.transforms import Layout, TensorLayout, shard, unshard
         >>> @given(param_shapes())
         ... def test_round_trip(shape):
