@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 import time
 
 import pytest
@@ -441,9 +442,7 @@ def test_units_swapped_between_ranks_fail_the_first_backward():
 
 
 def _swap_at_step(swap_step: int, debug: bool):
-    old = os.environ.get("FSHARD_DEBUG")
-    os.environ["FSHARD_DEBUG"] = "1" if debug else "0"
-    try:
+    with mock.patch.dict(os.environ, {"FSHARD_DEBUG": "1" if debug else "0"}):
         model = _routed_model()
         # A swap after the first step: FSHARD_DEBUG turns prefetch off, so the ranks' collective
         # counts stay equal and the per-step check names the difference (with prefetch on, the
@@ -457,11 +456,6 @@ def _swap_at_step(swap_step: int, debug: bool):
                 model(torch.randn(3, 6), route).sum().backward()
             checks.append(sum(r.label == "check_collective_order" for r in records))
         return checks
-    finally:
-        if old is None:
-            del os.environ["FSHARD_DEBUG"]
-        else:
-            os.environ["FSHARD_DEBUG"] = old
 
 
 def test_the_order_is_checked_on_the_first_step_and_every_step_with_fshard_debug():
