@@ -496,10 +496,11 @@ def clip_grad_norm_(
 
     ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
     every rank. The norm is computed in float32, or float64 if any parameter is float64.
-    Parameters fshard does not shard (``ignored_params``) count with the mean over the mesh's
-    ranks of their part of the norm (the max for ``inf``), so that every rank clips by the same
-    factor; that is their exact part when their gradients agree across ranks (all-reduce them
-    as DDP would). ``foreach`` is accepted for compatibility with torch's signature: the clipping
+    Parameters fshard does not shard (``ignored_params``), passed together with sharded ones,
+    count with the mean over the mesh's ranks of their part of the norm (the max for ``inf``),
+    so that every rank clips by the same factor; that is their exact part when their gradients
+    agree across ranks (all-reduce them as DDP would). Without sharded parameters there is no
+    mesh: the norm is this rank's, as torch's. ``foreach`` is accepted for compatibility with torch's signature: the clipping
     always uses the ``_foreach`` kernels.
 
     Example:

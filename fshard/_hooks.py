@@ -235,6 +235,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     dtensors: list[str] = []
     unowned: list[str] = []
     sharded = False
+    split = False  # some parameter's rows are spread over ranks
     data_parallel = 1
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
@@ -247,6 +248,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
                     unowned.append(str(list(param.shape)))
                 continue
             sharded = True
+            split = split or (slot.mesh_info.shard_size > 1 and not slot.layout.replicated)
             data_parallel = max(data_parallel, slot.mesh_info.dp_size)
             if param not in optimizer.state:
                 continue
@@ -285,7 +287,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "DTensor checkpoint). Load those with fshard.load_optim_state_dict(model, "
             "optimizer, state_dict), which takes this rank's shards."
         )
-    whole = _looks_across_parameters(optimizer) if sharded else None
+    whole = _looks_across_parameters(optimizer) if split else None
     if whole is not None:
         name, why = whole
         raise TypeError(
@@ -500,12 +502,31 @@ def index_param_owners(module: nn.Module) -> None:
             owned[name] = slot
 
 
+def owned_slots(module: nn.Module) -> dict[str, Any]:
+    """The sharded parameters ``module`` registers now, by attribute name: looked up when asked,
+    since a weight tied after ``fully_shard`` (``head.weight = embed.weight``) replaces the one
+    indexed, and a gathered unit registers its gathered copies in their place."""
+    indexed = module.__dict__.get(_OWNED_ATTR, {})
+    found = {}
+    for name, param in module._parameters.items():
+        if param is None:
+            continue
+        slot = param.__dict__.get("_fshard_slot")
+        if slot is not None and slot.sharded_param is param:
+            found[name] = slot
+            continue
+        slot = indexed.get(name)
+        if slot is not None and slot.unsharded_param is param:
+            found[name] = slot
+    return found
+
+
 def _owner_state_dict_post(
     module: nn.Module, destination: dict[str, Any], prefix: str, _meta: Any
 ) -> None:
     from fshard._state_dict import on_module_state_dict  # imports this module
 
-    on_module_state_dict(module.__dict__[_OWNED_ATTR], destination, prefix)
+    on_module_state_dict(owned_slots(module), destination, prefix)
 
 
 def _owner_load_state_dict_pre(
@@ -521,7 +542,7 @@ def _owner_load_state_dict_pre(
     from fshard._state_dict import on_module_load_state_dict  # imports this module
 
     on_module_load_state_dict(
-        module, module.__dict__[_OWNED_ATTR], state_dict, prefix, local_metadata, error_msgs
+        module, owned_slots(module), state_dict, prefix, local_metadata, error_msgs
     )
 
 
@@ -1322,6 +1343,7 @@ def _lazy_init(group: ParamGroup) -> None:
         g.fqn = names[g.module]
     _check_meshes(group, groups)
     _place_shared_params(module, groups)
+    index_param_owners(module)  # modules attached since fully_shard (a head tied to a unit's)
     param_names = {id(p): name for name, p in module.named_parameters()}
     for g in groups:
         for slot in g.slots:

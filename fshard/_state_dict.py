@@ -1311,8 +1311,12 @@ def _match_groups(
     unexpected = sorted((set(group_of) | set(saved.state)) - known)
     if strict:
         # Groups holding the same parameters match in any order (names, not positions).
-        by_names = {frozenset(g.get("params", [])): i for i, g in enumerate(saved.groups)}
-        by_set = [by_names.get(frozenset(n for n, _ in current)) for current in named_groups]
+        by_names: dict[frozenset[str], list[int | None]] = {}
+        for s_index, group in enumerate(saved.groups):  # equal sets (empty groups) in order
+            by_names.setdefault(frozenset(group.get("params", [])), []).append(s_index)
+        by_set = [
+            (by_names.get(frozenset(n for n, _ in current)) or [None]).pop(0) for current in named_groups
+        ]
         if (
             len(saved.groups) == len(named_groups)
             and None not in by_set

@@ -129,6 +129,9 @@ def _unsupported_gradients_worker() -> list[str]:
     if hasattr(torch.optim, "Muon"):  # orthogonalises whole matrices
         with pytest.raises(TypeError, match="torch.optim.Muon cannot step .* orthogonalises each whole"):
             torch.optim.Muon([model.weight]).step()
+        whole = fshard.fully_shard(nn.Linear(4, 3), mesh=mesh_for((2, 1)))  # replicas only: fine
+        whole(torch.ones(2, 4)).sum().backward()
+        torch.optim.Muon([whole.weight]).step()
     with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates") as info:
         torch.func.grad(lambda x: model(x).sum())(torch.ones(2, 4))
     messages.append(str(info.value))

@@ -224,6 +224,12 @@ def _reordered_groups_task():
     for p in model.parameters():
         for key, value in opt.state[p].items():
             torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
+    # Empty groups hold the same (no) names: they match in their order.
+    params = list(model.parameters())
+    saving = torch.optim.SGD([{"params": [], "lr": 1.0}, {"params": params}, {"params": [], "lr": 3.0}], lr=0.1)
+    loading = torch.optim.SGD([{"params": params}, {"params": [], "lr": 7.0}, {"params": [], "lr": 7.0}], lr=0.5)
+    fshard.load_optim_state_dict(model, loading, fshard.optim_state_dict(model, saving))
+    assert [g["lr"] for g in loading.param_groups] == [0.1, 1.0, 3.0]
     return True
 
 
@@ -325,6 +331,49 @@ def _submodule_state_dict_task():
     torch.testing.assert_close(full["body.0.weight"], new["body.0.weight"], rtol=0, atol=0)
     torch.testing.assert_close(full["embed.weight"], new["head.weight"], rtol=0, atol=0)  # loaded last
     return True
+
+
+class _TiedLater(nn.Module):
+    """An output head tied to the embedding only after fully_shard (transformers' tie_weights()
+    after wrapping), and another head attached after it, reusing the embedding too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.body(self.emb(tokens)))
+        return out + self.extra(self.emb(tokens)) if hasattr(self, "extra") else out
+
+
+def _tied_after_sharding_task():
+    torch.manual_seed(0)
+    model = _TiedLater()
+    fshard.fully_shard(model.emb, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model.head.weight = model.emb.weight
+    model.extra = nn.Linear(4, 6, bias=False)
+    model.extra.weight = model.emb.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = fshard.state_dict(model)["emb.weight"].full_tensor()
+    sd = model.state_dict()
+    for key in ("emb.weight", "head.weight", "extra.weight"):
+        assert isinstance(sd[key], DTensor), key
+        torch.testing.assert_close(sd[key].full_tensor(), trained, rtol=0, atol=0, msg=key)
+    new = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    model.load_state_dict({"extra.weight": new}, strict=False)  # a full tensor, into the tie
+    torch.testing.assert_close(model.emb.weight.full_tensor(), new, rtol=0, atol=0)
+    return True
+
+
+def test_state_dict_of_weights_tied_after_fully_shard_is_the_live_weight():
+    assert all(get_pool(2).run(_tied_after_sharding_task))
 
 
 def test_state_dict_of_a_module_that_is_not_a_unit_is_dtensors_and_loads_full_tensors():
