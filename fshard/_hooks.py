@@ -1468,7 +1468,16 @@ def _fingerprint(module: nn.Module, groups: list[ParamGroup]) -> list[tuple[Any,
                 )
             )
     for g in groups:
-        rows.append(("unit", g.label, tuple(g.mesh_info.mesh.shape), g.reshard_after_forward))
+        rows.append(
+            (
+                "unit",
+                g.label,
+                tuple(g.mesh_info.mesh.shape),
+                g.reshard_after_forward,
+                repr(g.mp_policy),  # frozen dataclasses: the repr names every field
+                repr(g.offload_policy),
+            )
+        )
     return rows
 
 
@@ -1476,7 +1485,10 @@ def _describe(row: tuple[Any, ...] | None) -> str:
     if row is None:
         return "nothing"
     if row[0] == "unit":
-        return f"unit {row[1]} (mesh {row[2]}, reshard_after_forward={row[3]})"
+        return (
+            f"unit {row[1]} (mesh {row[2]}, reshard_after_forward={row[3]}, mp_policy={row[4]}, "
+            f"offload_policy={row[5]})"
+        )
     return (
         f"parameter {row[1]!r} (unit {row[2]}, shape {list(row[3])}, {row[4]}, "
         f"requires_grad={row[5]}" + (", on the meta device)" if row[6] else ")")

@@ -198,29 +198,45 @@ def test_a_rank_with_a_different_dtype_or_requires_grad_is_named(kind, words):
         pool.close()
 
 
-# --- fingerprint reshard
+# --- fingerprint policies
 # SPEC §1 / the root check: ranks that sharded a unit with different reshard_after_forward
-# issue different collectives in backward; the first forward names the unit on every rank.
+# issue different collectives in backward, and with different mixed-precision or offload
+# policies exchange bytes they read differently; the first forward names the unit on every rank.
 
-def _divergent_reshard():
+def _divergent_policy(kind):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     mesh = mesh_for((2,))
-    fshard.fully_shard(model[0], mesh=mesh, reshard_after_forward=dist.get_rank() == 0)
+    first = dist.get_rank() == 0
+    kwargs = {
+        "reshard": {"reshard_after_forward": first},
+        # Same bytes per element: without the check, each rank reads the other's bits as its own.
+        "mp": {"mp_policy": fshard.MixedPrecision(param_dtype=torch.bfloat16 if first else torch.float16)},
+        "offload": {"offload_policy": fshard.CPUOffload() if first else None},
+    }[kind]
+    fshard.fully_shard(model[0], mesh=mesh, **kwargs)
     fshard.fully_shard(model, mesh=mesh)
-    model(torch.randn(2, 5)).sum().backward()
+    model(torch.randn(2, 5)).float().sum().backward()
 
 
-def test_a_rank_with_another_reshard_after_forward_is_named():
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("reshard", ["reshard_after_forward=True", "reshard_after_forward=False"]),
+        ("mp", ["param_dtype=torch.bfloat16", "param_dtype=torch.float16"]),
+        ("offload", ["offload_policy=CPUOffload(", "offload_policy=None"]),
+    ],
+)
+def test_a_rank_with_another_unit_policy_is_named(kind, words):
     pool = RankPool(2, pg_timeout=15)
     try:
         with pytest.raises(RanksFailed) as info:
-            pool.run(_divergent_reshard, timeout=60)
+            pool.run(_divergent_policy, kind, timeout=60)
         assert sorted(info.value.errors) == [0, 1]
         for exc in info.value.errors.values():
             assert isinstance(exc, fshard.RankMismatchError), exc
             assert "ranks built different sharded models" in str(exc), str(exc)
-            assert "reshard_after_forward=True" in str(exc) and "reshard_after_forward=False" in str(exc)
+            assert all(w in str(exc) for w in words), str(exc)
     finally:
         pool.close()
 
