@@ -155,6 +155,38 @@ _HINT = (
 )
 
 
+# Labels of the collectives that fshard's functions (not a unit's forward or backward) issue.
+_API_LABELS = (
+    "full_state_dict",
+    "full_tensor",
+    "load_state_dict",
+    "optim_state_dict",
+    "checkpoint.",
+    "clip_grad_norm_",
+    "ShardedGradScaler",
+    "fshard.",
+    "from_config",
+)
+
+
+def _hint(label: str) -> str:
+    """What usually causes a failed collective of ``label``.
+
+    Example:
+        >>> print(_hint("full_state_dict(0.weight)").split(":")[0])
+        full_state_dict is collective
+    """
+    if not label.startswith(_API_LABELS):
+        return _HINT
+    api = label.split("(")[0].split(":")[0]
+    return (
+        f"{api} is collective: every rank of the mesh must call it, at the same point (not "
+        "under `if rank == 0:`; for a file on rank 0 only, call it everywhere and save on rank "
+        "0). Usual causes otherwise: a peer rank stopped, crashed or timed out, or the ranks are "
+        "at different steps (one skipped a batch after an exception and went on)."
+    )
+
+
 @contextmanager
 def _failure_context(op: str, label: str) -> Iterator[None]:
     try:
@@ -163,7 +195,7 @@ def _failure_context(op: str, label: str) -> Iterator[None]:
         raise
     except RuntimeError as exc:  # DistBackendError and gloo/NCCL timeouts are RuntimeErrors
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        message = f"{rank_prefix()}fshard: the {op} of {label!r} failed: {first_line}\n{_HINT}"
+        message = f"{rank_prefix()}fshard: the {op} of {label!r} failed: {first_line}\n{_hint(label)}"
         raise collective_error(message, exc) from exc
 
 

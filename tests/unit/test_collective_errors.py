@@ -48,3 +48,22 @@ def test_no_work_means_nothing_to_wait_for_and_other_errors_pass_through():
     with pytest.raises(ValueError, match="not a collective failure"):
         with _collectives._failure_context("all_gather", "x"):
             raise ValueError("not a collective failure")
+
+
+@pytest.mark.parametrize(
+    "label, api",
+    [
+        ("full_state_dict(0.weight)", "full_state_dict"),
+        ("full_tensor(blocks.0.fc.weight)", "full_tensor"),
+        ("checkpoint.save", "checkpoint.save"),
+        ("clip_grad_norm_", "clip_grad_norm_"),
+        ("fshard.load_optim_state_dict(broadcast_from_rank0=True): w.exp_avg", "fshard.load_optim_state_dict"),
+    ],
+)
+def test_a_failed_collective_of_a_function_says_every_rank_must_call_it(label, api):
+    """The usual mistake with these is calling them under ``if rank == 0:``, not a unit."""
+    with pytest.raises(fshard.CollectiveError) as info:
+        _collectives.wait(_FailingWork(RuntimeError("timed out")), op="gather", label=label)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert f"{api} is collective: every rank of the mesh must call it" in message
+    assert "if rank == 0:" in message and "ran different units" not in message
