@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
-from fshard._errors import ProblemList
+from fshard._errors import ProblemList, RankMismatchError
 from fshard._group import ParamGroup, ShardedState
 from fshard._hooks import (
     check_prefetch_targets,
@@ -364,6 +365,11 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     next forward/backward, as the unit's settings say). With ``async_op=True`` the all-gathers are
     issued and a handle is returned; call ``handle.wait()`` before using the parameters.
 
+    Every rank must call it with the same module (not under ``if rank == 0:``). A blocking call
+    first checks, with one tiny all-gather, that the ranks gather the same units in the same
+    state, and raises ``RankMismatchError`` where they do not (gathers of equal-sized units
+    would otherwise exchange rows silently).
+
     Example:
         >>> fshard.unshard(model)           # doctest: +SKIP
         >>> model.fc.weight.shape           # full shape now  # doctest: +SKIP
@@ -371,6 +377,8 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     """
     groups = units_or_error(module, "unshard")
     ensure_root_initialised(groups[0])  # the outermost unit: its tree gets names and checks
+    if not async_op:
+        _check_same_unshard(groups)
     for group in groups:
         group.unshard(async_op=async_op)
     handle = UnshardHandle(groups)
@@ -378,6 +386,39 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
         return handle
     handle.wait()
     return None
+
+
+def _check_same_unshard(groups: list[ParamGroup]) -> None:
+    """Before a blocking ``fshard.unshard``: the ranks of each shard group agree on the units
+    it gathers and on which of them are gathered already, with one tiny all-gather.
+
+    Called on some ranks only (``if rank == 0: fshard.unshard(block)``), or after such a call
+    left a unit gathered on one rank, the gathers would pair with the other ranks' next ones:
+    units of equal size (transformer blocks) exchange each other's rows without an error. Here
+    the ranks that disagree raise, and a rank elsewhere meets a collective of another size.
+    (``async_op=True``, for prefetching every step, skips it: reading the result would make the
+    host wait.)
+    """
+    by_group: dict[int, tuple[MeshInfo, list[ParamGroup]]] = {}
+    for group in groups:
+        by_group.setdefault(id(group.mesh_info.shard_group), (group.mesh_info, []))[1].append(group)
+    for info, members in by_group.values():
+        if info.shard_size == 1:
+            continue
+        plan = [(g.label, g.sharded_state is ShardedState.SHARDED) for g in members]
+        digest = hashlib.blake2b(repr(plan).encode(), digest_size=7).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=info.device)
+        everyone = torch.empty(info.shard_size, dtype=torch.int64, device=info.device)
+        _collectives.all_gather_into(everyone, mine, info.shard_group, label="fshard.unshard")
+        if bool((everyone != mine).any()):
+            gathered = [label for label, sharded in plan if not sharded]
+            raise RankMismatchError(
+                f"fshard.unshard: the ranks of the shard group asked for different units, or "
+                f"units gathered on some ranks only; this rank unshards {[p[0] for p in plan]}"
+                + (f", of which {gathered} are gathered already" if gathered else "")
+                + ". It is collective: call it with the same module on every rank (not under "
+                "`if rank == 0:`), and reshard on every rank too."
+            )
 
 
 def reshard(module: nn.Module, *, writeback: bool = False) -> None:

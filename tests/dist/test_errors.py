@@ -510,3 +510,32 @@ def test_param_data_replaced_after_sharding_names_the_param():
         and "its shard of the full [7, 5] parameter is [" in m
         and "resize_token_embeddings" in m,
     )
+
+
+def _unshard_different_units():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))  # units of one size: rows would pair
+    mesh = mesh_for((2,))
+    for layer in model:
+        fshard.fully_shard(layer, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 6)).sum().backward()  # training has started
+    want = [layer.weight.full_tensor() for layer in model]
+    fshard.unshard(model[dist.get_rank()])  # rank 0 the first block, rank 1 the second
+    return [torch.equal(layer.weight, w) for layer, w in zip(model, want, strict=True)]
+
+
+def test_unshard_of_different_units_on_different_ranks_is_named():
+    """``fshard.unshard`` is collective: ranks asking for different units of the same size
+    would swap rows silently; both raise instead."""
+    pool = RankPool(2, pg_timeout=15)
+    try:
+        with pytest.raises(RanksFailed) as info:
+            pool.run(_unshard_different_units, timeout=60)
+        assert sorted(info.value.errors) == [0, 1]
+        for exc in info.value.errors.values():
+            assert isinstance(exc, fshard.RankMismatchError), exc
+            assert "fshard.unshard: the ranks of the shard group asked for different units" in str(exc)
+            assert "not under `if rank == 0:`" in str(exc)
+    finally:
+        pool.close()
