@@ -587,19 +587,29 @@ def save(
         # alike (BatchNorm statistics): rank 0's are saved, as full_state_dict gives them.
         # Left to DCP, it would spread the duplicates over the ranks to balance the writes.
         sd = _without_plain_tensors(sd)
-    token = _collectives.broadcast_objects(
-        uuid.uuid4().hex[:12] if rank == 0 else None, 0, None, label="checkpoint.save"
+    token, chosen = _collectives.broadcast_objects(
+        (uuid.uuid4().hex[:12], path) if rank == 0 else None, 0, None, label="checkpoint.save"
     )
     tmp = f"{path}.tmp-{token}"
     error = None
-    if rank == 0:
+    if path != chosen:  # a timestamp or a rank in the name: each rank would write its own part
+        error = (
+            f"every rank must pass the same path: rank 0 passed {chosen!r}, rank {rank} "
+            f"passed {path!r}"
+        )
+    elif rank == 0:
         error = _target_problem(path)
         if error is None:
             try:
                 os.makedirs(os.path.join(tmp, _EXTRA_DIR))
             except OSError as exc:
                 error = f"cannot create {tmp}: {exc}"
-    _raise_if_any_rank_failed(error, where, "checkpoint.save")
+    try:
+        _raise_if_any_rank_failed(error, where, "checkpoint.save")
+    except CheckpointError:
+        if rank == 0:  # another rank's problem: nothing is written, the new directory goes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         _write_and_publish(sd, tmp, path, token, extra_tensors, extra_json, layout, optim_desc)
     except BaseException:

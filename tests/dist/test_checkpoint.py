@@ -270,6 +270,17 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["empty", "latest", "model.pt", "runs"]
 
 
+def _save_per_rank_path_task(base):
+    return _save_expecting_error(f"{base}/step-{dist.get_rank()}")  # a rank (or a time) in it
+
+
+def test_ranks_passing_different_paths_is_an_error_that_writes_nothing(tmp_path):
+    for message in get_pool(2).run(_save_per_rank_path_task, str(tmp_path)):
+        assert message is not None and "every rank must pass the same path" in message, message
+        assert f"rank 0 passed '{tmp_path}/step-0', rank 1 passed '{tmp_path}/step-1'" in message
+    assert os.listdir(tmp_path) == []
+
+
 def _failing_write_task(path):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
