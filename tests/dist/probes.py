@@ -1,12 +1,33 @@
-"""Test-side probes that watch a sharded model through public torch hooks only."""
+"""Test-side probes that watch a sharded model through public torch hooks only, and a runner
+for tasks that must fail with ``RankMismatchError`` on every rank."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 from torch import nn
 
 import fshard
+from fshard.testing import RankPool, RanksFailed
+
+
+def rank_mismatch_messages(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[str]:
+    """Run ``fn(*args)`` on a fresh pool (a mismatch may leave the ranks' collectives out of
+    step, so not a shared one) and return every rank's ``RankMismatchError`` message; any other
+    outcome, on any rank, fails the test."""
+    pool = RankPool(world, pg_timeout=15)
+    try:
+        with pytest.raises(RanksFailed) as info:
+            pool.run(fn, *args, timeout=60)
+    finally:
+        pool.close()
+    assert sorted(info.value.errors) == list(range(world)), info.value
+    for exc in info.value.errors.values():
+        assert isinstance(exc, fshard.RankMismatchError), exc
+    return [str(exc) for exc in info.value.errors.values()]
 
 
 class GatherProbe:
