@@ -541,8 +541,8 @@ def clip_grad_norm_(
     count with the mean over the mesh's ranks of their part of the norm (the max for ``inf``),
     so that every rank clips by the same factor; that is their exact part when their gradients
     agree across ranks (all-reduce them as DDP would). Without sharded parameters there is no
-    mesh: the norm is this rank's, as torch's. ``foreach`` is accepted for compatibility with torch's signature: the clipping
-    always uses the ``_foreach`` kernels.
+    mesh: the norm is this rank's, as torch's. ``foreach`` is accepted for compatibility with
+    torch's signature: the clipping always uses the ``_foreach`` kernels.
 
     Example:
         >>> loss.backward()                                                  # doctest: +SKIP

@@ -239,8 +239,9 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     data_parallel = 1
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
-            if hasattr(param, "_fshard_gathered_of"):
-                gathered.append(repr(param._fshard_gathered_of))
+            of = getattr(param, "_fshard_gathered_of", None)
+            if of is not None:
+                gathered.append(repr(of_slot.fqn) if (of_slot := of()) is not None else "a parameter")
                 continue
             slot = getattr(param, "_fshard_slot", None)
             if slot is None:
@@ -482,7 +483,7 @@ def _container_post_forward(
     return _post_forward(group, module, args, kwargs, output)
 
 
-_OWNED_ATTR = "_fshard_param_slots"
+_HOOKED_ATTR = "_fshard_state_dict_hooked"
 
 
 def index_param_owners(module: nn.Module) -> None:
@@ -490,33 +491,26 @@ def index_param_owners(module: nn.Module) -> None:
     registers a sharded parameter, so that each gives DTensors and takes full tensors for its
     own parameters (see [Note: model.state_dict() on a sharded model] in _state_dict)."""
     for sub in module.modules():
-        for name, param in sub._parameters.items():
-            slot = param.__dict__.get("_fshard_slot") if param is not None else None
-            if slot is None or slot.sharded_param is not param:
-                continue
-            owned = sub.__dict__.get(_OWNED_ATTR)
-            if owned is None:
-                owned = sub.__dict__[_OWNED_ATTR] = {}
-                sub.register_state_dict_post_hook(_owner_state_dict_post)
-                sub.register_load_state_dict_pre_hook(_owner_load_state_dict_pre)
-            owned[name] = slot
+        if not sub.__dict__.get(_HOOKED_ATTR) and owned_slots(sub):
+            sub.__dict__[_HOOKED_ATTR] = True
+            sub.register_state_dict_post_hook(_owner_state_dict_post)
+            sub.register_load_state_dict_pre_hook(_owner_load_state_dict_pre)
 
 
 def owned_slots(module: nn.Module) -> dict[str, Any]:
     """The sharded parameters ``module`` registers now, by attribute name: looked up when asked,
     since a weight tied after ``fully_shard`` (``head.weight = embed.weight``) replaces the one
-    indexed, and a gathered unit registers its gathered copies in their place."""
-    indexed = module.__dict__.get(_OWNED_ATTR, {})
+    there then, and a gathered unit registers its gathered copies in their place."""
     found = {}
     for name, param in module._parameters.items():
         if param is None:
             continue
         slot = param.__dict__.get("_fshard_slot")
-        if slot is not None and slot.sharded_param is param:
-            found[name] = slot
-            continue
-        slot = indexed.get(name)
-        if slot is not None and slot.unsharded_param is param:
+        if slot is None and (of := param.__dict__.get("_fshard_gathered_of")) is not None:
+            slot = of()
+            if slot is not None and slot.unsharded_param is param:
+                found[name] = slot
+        elif slot is not None and slot.sharded_param is param:
             found[name] = slot
     return found
 

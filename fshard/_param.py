@@ -249,7 +249,8 @@ class FlatBucket:
         # `.data` gives the param its own version counter: [Note: storage reuse].
         slot.unsharded_buffer = buffer
         slot.unsharded_param = nn.Parameter(view.data, requires_grad=slot.requires_grad)
-        slot.unsharded_param._fshard_gathered_of = slot.fqn  # type: ignore[attr-defined]  # marker
+        # A marker (the optimizer check, module.state_dict()): the slot it gathers, held weakly.
+        slot.unsharded_param._fshard_gathered_of = weakref.ref(slot)  # type: ignore[attr-defined]
 
     # ----------------------------------------------------------------------------- unsharding
 
