@@ -754,16 +754,9 @@ def _load_from_rank0(
             for e in entries:
                 if e.key not in state_dict:
                     continue
-                value = state_dict[e.key]
-                if isinstance(value, DTensor):
-                    local_problems.append(
-                        f"key {e.key!r} is a DTensor; broadcast_from_rank0 loads a full state dict "
-                        "of plain tensors (load sharded state dicts on every rank instead)"
-                    )
-                elif isinstance(value, torch.Tensor):
-                    described[e.key] = ("tensor", tuple(value.shape), value.dtype)
-                else:
-                    described[e.key] = ("object", value)
+                meta = _broadcast_meta(f"key {e.key!r}", state_dict[e.key], local_problems)
+                if meta is not None:
+                    described[e.key] = meta
     everyone = _mesh_all_gather_objects(
         info, (dist.get_rank(), local_problems, described, missing, unexpected), label=where
     )
@@ -802,6 +795,20 @@ def _load_from_rank0(
     if rest:
         model.load_state_dict(rest, strict=False)
     return LoadResult(list(missing), list(unexpected))
+
+
+def _broadcast_meta(what: str, value: Any, problems: list[str]) -> tuple[Any, ...] | None:
+    """How rank 0 announces a value it will send: ``("tensor", shape, dtype)`` (sent next) or
+    ``("object", value)``; a DTensor is a problem (``None``)."""
+    if isinstance(value, DTensor):
+        problems.append(
+            f"{what} is a DTensor; broadcast_from_rank0 loads a full state dict of plain tensors "
+            "(load sharded state dicts on every rank instead)"
+        )
+        return None
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("object", value)
 
 
 def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -1181,16 +1188,9 @@ def _optim_from_rank0(
                     continue
                 described[name] = {}
                 for key, value in entries.items():
-                    if isinstance(value, DTensor):
-                        problems.append(
-                            f"{where}: state {key!r} of {name!r} is a DTensor; "
-                            "broadcast_from_rank0 loads a full state dict (full=True) of plain "
-                            "tensors (load sharded state dicts on every rank instead)"
-                        )
-                    elif isinstance(value, torch.Tensor):
-                        described[name][key] = ("tensor", tuple(value.shape), value.dtype)
-                    else:
-                        described[name][key] = ("object", value)
+                    meta = _broadcast_meta(f"state {key!r} of {name!r}", value, problems)
+                    if meta is not None:
+                        described[name][key] = meta
             skeleton = {"param_groups": [dict(g) for g in saved.groups], "state": described}
             if OPTIMIZER_CLASS_KEY in state_dict:
                 skeleton[OPTIMIZER_CLASS_KEY] = state_dict[OPTIMIZER_CLASS_KEY]
