@@ -20,12 +20,14 @@ backward will come for that call: it counts for nothing, as an inference forward
 
 A unit with no input requiring grad (the first one), called once without one, or whose inputs
 sit in a list or dict (which the identity cannot replace), has no such moment: it is reduced
-when the backward ends if it ran (not if gradients arrived here: the same decision on every
-rank), with the others left then, in one order on every rank. Its params are freed earlier,
-once every param that requires grad has its gradient (a post-accumulate-grad hook counts them),
-unless it has frozen params (nothing says when they are no longer needed: a tensor may reach
-the forward other than as an argument) or its reentrant checkpoint ran a nested backward
-(another recompute may still need its params).
+when the backward ends if it ran with grad or as a reentrant checkpoint's segment (not if
+gradients arrived here: the same decision on every rank; one run only under
+``torch.no_grad()`` gets no gradient anywhere and is not reduced), with the others left then,
+in one order on every rank. Its params are freed earlier, once every param that requires
+grad has its gradient (a post-accumulate-grad hook counts them), unless it has frozen params
+(nothing says when they are no longer needed: a tensor may reach the forward other than as an
+argument) or its reentrant checkpoint ran a nested backward (another recompute may still need
+its params).
 
 A unit whose forward ran but whose backward never finished (a parameter left unused this step,
 an output that reached no loss) is finished by the root's end-of-backward callback instead,
@@ -551,6 +553,10 @@ class ParamGroup:
         self._nested_grads = False  # some gradient arrived in another (nested) graph task
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
         self.grad_forward_ran = False  # one of those forwards ran with grad
+        # ...or ran as a reentrant checkpoint's segment: gradients may come in this backward.
+        # A unit that ran only under torch.no_grad() (a target network inside the training
+        # forward) gets none on any rank, so the end of the backward does not reduce it.
+        self.backward_may_come = False
         self.inputs_grad_awaited = False  # one of them, with grad, had inputs requiring grad
 
     def end_backward(self) -> None:

@@ -772,10 +772,12 @@ class RootState:
                 syncing = group.requires_gradient_sync or group.reduce_scatter_while_accumulating
                 # Also a unit reduced already: gradients that arrived after its reduce (reentrant
                 # checkpointing runs one nested backward per forward) are reduced now and added.
-                # Decided by what every rank knows alike (whether the unit ran and was reduced),
-                # not by whether gradients arrived here: a param used on some ranks only.
+                # Decided by what every rank knows alike (whether the unit ran in a way that
+                # may give gradients, and was reduced), not by whether gradients arrived here:
+                # a param used on some ranks only.
                 if syncing and (
-                    group.has_unsharded_grads() or (group.ran_since_backward and not group._reduced)
+                    group.has_unsharded_grads()
+                    or (group.backward_may_come and not group._reduced)
                 ):
                     group._reduced = True
                     group.reduce_grads()
@@ -998,8 +1000,10 @@ def _pre_forward(
             # done (every rank alike). (Under a plain torch.no_grad(), a target computed by
             # the model itself, no backward ever comes: the unit is freed as after inference.)
             group.checkpointed_calls += 1
+            group.backward_may_come = True
         return args, kwargs
     group.grad_forward_ran = True
+    group.backward_may_come = True
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
     wrapped = _wrap_inputs(group, args, kwargs)

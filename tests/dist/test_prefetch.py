@@ -408,7 +408,9 @@ def _beside_ddp_passed_over(mode: str):
 def test_backward_prefetch_passes_over_units_the_backward_does_not_reach(mode, passed_over):
     """A unit that did not run this step, or a frozen one whose forward had no input needing
     grad, is not gathered for the backward (it would be held to its end, and the unit before
-    it would lose its prefetch); the backward prefetches the next unit it reaches instead."""
+    it would lose its prefetch); the backward prefetches the next unit it reaches instead.
+    Nor is it reduced: a trainable teacher run only under ``torch.no_grad()`` gets no gradient
+    on any rank (a reduce-scatter of zeros the size of the teacher, every step, it was)."""
     # (the unit the backward reaches after the one passed over, and the unit it follows)
     successor, after = {
         "skipped": ("blocks.1", "blocks.3"),
@@ -418,6 +420,7 @@ def test_backward_prefetch_passes_over_units_the_backward_does_not_reach(mode, p
     for traces in get_pool(2).run(_passed_over_worker, mode):
         for backward in traces[1:]:  # the first step records the order
             assert ("all_gather", passed_over) not in backward, backward
+            assert ("reduce_scatter", passed_over) not in backward, backward
             # Nor is the root gathered again once its head's gradients freed it: the backward
             # reaches units in the reverse order their forwards finished, the root's last.
             assert ("all_gather", "<root>") not in backward, backward
