@@ -1040,6 +1040,13 @@ def optim_state_dict(
     (``"torch.optim.adamw.AdamW"``), so that ``load_optim_state_dict`` refuses to load the state
     into another kind of optimizer (torch's ``Optimizer.load_state_dict`` ignores the key).
 
+    Collective, in both forms: every rank of the mesh calls it (the ranks agree on any error
+    before returning), so not under ``if rank == 0:``. For an optimizer that has not stepped
+    yet the sharded form gives the state one step would make, with ``step`` 0 (as torch's
+    ``get_optimizer_state_dict`` does), so that it serves as the template
+    ``torch.distributed.checkpoint.load`` reads a checkpoint into; the optimizer itself is left
+    without state until ``load_optim_state_dict`` (or its first step).
+
     Example:
         >>> osd = fshard.optim_state_dict(model, opt)          # doctest: +SKIP
         >>> osd["state"]["layers.0.weight"]["exp_avg"]         # doctest: +SKIP
@@ -1047,6 +1054,19 @@ def optim_state_dict(
         >>> osd["optimizer_class"]                             # doctest: +SKIP
         'torch.optim.adamw.AdamW'
     """
+    return _optim_state_dict(model, optim, full=full, rank0_only=rank0_only, placeholder=True)
+
+
+def _optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    full: bool,
+    rank0_only: bool,
+    placeholder: bool,
+) -> dict[str, Any]:
+    """``optim_state_dict``; without ``placeholder`` an optimizer that has not stepped gives
+    an empty state (what a checkpoint saves: the next step starts it as a fresh one would)."""
     where = "fshard.optim_state_dict"
     info = _root_info(model, where)
     # The ranks agree before any gather, and before the caller's next collective (a checkpoint's
@@ -1060,16 +1080,19 @@ def optim_state_dict(
                 by_param[id(p)] = n
         _check_saved_state(optim, by_param, where)
     keep = not rank0_only or dist.get_rank() == _src_rank(info)
+    states: Mapping[torch.Tensor, Mapping[str, Any]] = optim.state
+    if placeholder and not full and not optim.state:
+        states = _placeholder_state(optim)
     state: dict[str, dict[str, Any]] = {}
     for params in _optim_params(optim):
         for p in params:
-            if p not in optim.state:
+            if p not in states:
                 continue
             name, slot = by_param[id(p)]
             if name in state:
                 continue
             out: dict[str, Any] = {}
-            for key, value in optim.state[p].items():
+            for key, value in states[p].items():
                 if _is_shard_shaped(value, slot):
                     assert_slot: ParamSlot = slot  # type: ignore[assignment]  # checked above
                     if full:
@@ -1096,6 +1119,56 @@ def optim_state_dict(
         copy["params"] = [n for n, _ in named]
         param_groups.append(copy)
     return {"state": state, "param_groups": param_groups, OPTIMIZER_CLASS_KEY: _class_name(optim)}
+
+
+def _placeholder_state(optim: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """The state an optimizer that has not stepped yet would have, for ``optim`` to leave as
+    it is: tensors for ``torch.distributed.checkpoint.load`` to read a checkpoint into.
+
+    An empty state would make the DCP resume recipe (template, ``dcp.load``, then
+    ``load_optim_state_dict``) load no optimizer state at all, silently: Adam's moments and step
+    start again. So the optimizer's own step (not its hooks: an EMA post-hook must not see it)
+    runs once with zero gradients, the learning rates and weight decays at 0 (the params do not
+    change), every ``step`` counter is set back to 0 (so Adam's state is exactly the fresh one),
+    and the state it made is taken out of the optimizer again, with the gradients restored. An
+    optimizer without ``lr`` in every group, or whose step needs a closure (LBFGS), keeps an
+    empty state.
+    """
+    groups = optim.param_groups
+    if not groups or any("lr" not in g for g in groups):
+        return {}
+    saved_grads = []
+    saved_hyper: list[dict[str, Any]] = []
+    for group in groups:
+        saved_hyper.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
+        for k, v in saved_hyper[-1].items():
+            if isinstance(v, torch.Tensor):
+                group[k] = torch.zeros_like(v)
+            elif isinstance(v, (int, float)):
+                group[k] = 0.0
+        for p in group["params"]:
+            saved_grads.append((p, p.grad))
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+    step = type(optim).step
+    step = getattr(step, "__wrapped__", step)  # torch's wrapper runs the step hooks
+    made: dict[torch.Tensor, dict[str, Any]] = {}
+    try:
+        step(optim)
+        for p, per in optim.state.items():
+            made[p] = dict(per)
+            if "step" in per:
+                value = per["step"]
+                made[p]["step"] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
+    except Exception as exc:  # a step that needs a closure (LBFGS): no placeholder
+        logger.debug("fshard: no placeholder optimizer state (%s: %s)", type(exc).__name__, exc)
+        made = {}
+    finally:
+        optim.state.clear()
+        for group, hyper in zip(groups, saved_hyper, strict=True):
+            group.update(hyper)
+        for p, grad in saved_grads:
+            p.grad = grad
+    return made
 
 
 def load_optim_state_dict(

@@ -72,10 +72,10 @@ from fshard._state_dict import (
     _as_dtensor,
     _entries,
     _load_optim,
+    _optim_state_dict,
     _param_names,
     layout_of,
     load_state_dict,
-    optim_state_dict,
     state_dict,
 )
 from fshard.transforms import Layout
@@ -578,7 +578,9 @@ def save(
     sd: dict[str, Any] = {"model": state_dict(model)}
     optim_desc = None
     if optimizer is not None:
-        osd = optim_state_dict(model, optimizer)
+        # What the optimizer holds: before its first step, nothing (the resumed run's first
+        # step starts its state as this one's would).
+        osd = _optim_state_dict(model, optimizer, full=False, rank0_only=False, placeholder=False)
         sd["optim"] = osd["state"]
         optim_desc = _optim_manifest(model, osd)
 
