@@ -16,7 +16,8 @@ A checkpoint is a directory::
 [Note: atomic checkpoints]
 Every rank writes into ``path.tmp-<token>``; after a barrier rank 0 writes ``fshard.json`` last
 (write, fsync, rename), then swaps the directory into place: an existing ``path`` is renamed to
-``path.old-<token>``, ``path.tmp-<token>`` to ``path``, and the old one is deleted. A crash at
+``path.old-<token>``, ``path.tmp-<token>`` to ``path``, what the user added to the old one is
+moved into the new one, and the old one is deleted. A crash at
 any point leaves a loadable checkpoint: before the swap ``path`` is untouched; inside the swap
 ``load`` finds the complete ``.tmp-``/``.old-`` sibling (a directory is complete iff its manifest
 exists and checks out). A directory without a manifest is refused with a clear message.
@@ -554,8 +555,8 @@ def save(
     Collective: every rank calls it. Each rank writes only its shards through DCP; the write is
     atomic (written to a temporary sibling directory, then renamed), so a crash leaves the
     previous checkpoint at ``path`` loadable, and a failed save removes its partial copy. ``path``
-    must be new, an empty directory or an fshard checkpoint (which is replaced); anything else
-    is refused. Buffers are saved from rank 0. ``extra`` is per-rank user state: JSON-like
+    must be new, an empty directory or an fshard checkpoint (whose files are replaced; files
+    you added to it, a ``config.json`` or a tokenizer, are kept); anything else is refused. Buffers are saved from rank 0. ``extra`` is per-rank user state: JSON-like
     values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
     ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 
@@ -715,19 +716,81 @@ def _write_and_publish(
 
 
 def _publish(tmp: str, path: str, token: str) -> None:
-    """Swap the finished ``tmp`` into ``path`` ([Note: atomic checkpoints])."""
+    """Swap the finished ``tmp`` into ``path`` ([Note: atomic checkpoints]).
+
+    The checkpoint it replaces goes, but not what the user put beside fshard's files (a
+    ``config.json``, a tokenizer: the Hugging Face habit of one ``ckpt/last`` directory): those
+    move into the new checkpoint first, from it or from one a crash left mid-swap.
+    """
     parent, base = os.path.split(path)
-    old = None
+    replaced = f"{base}.old-{token}"
     if os.path.lexists(path):
-        old = f"{path}.old-{token}"
-        os.rename(path, old)
+        os.rename(path, os.path.join(parent, replaced))
     os.rename(tmp, path)
     _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for name in os.listdir(parent):  # leftovers of interrupted saves at this path
-        if _is_swap_sibling(name, base):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    # The replaced one first (its user files are the newest), then leftovers of interrupted
+    # saves; a .tmp- directory is only ever fshard's writing, an .old- one was ``path``.
+    siblings = sorted(
+        (name for name in os.listdir(parent) if _is_swap_sibling(name, base)),
+        key=lambda name: name != replaced,
+    )
+    for name in siblings:
+        sibling = os.path.join(parent, name)
+        if ".tmp-" in name[len(base) :] or _carry_user_files(sibling, path):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+# The files fshard.checkpoint.save writes (DCP's index and data, the per-rank extra state).
+_OWN_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|extra/rank-\d+\.safetensors")
+
+
+def _carry_user_files(old: str, new: str) -> bool:
+    """Move every file and directory in checkpoint ``old`` that fshard did not write into the
+    same place in ``new``, unless ``new`` has it already (fshard's file, or the user's from a
+    newer checkpoint). False, with a warning, if something could not be moved: then ``old``
+    must stay."""
+    try:
+        owned = set(_read_manifest(old).get("files", {}))
+    except CheckpointError:
+        owned = set()
+
+    def is_owned(rel: str) -> bool:
+        posix = rel.replace(os.sep, "/")
+        return rel == MANIFEST or rel in owned or _OWN_FILE.fullmatch(posix) is not None
+
+    complete = True
+
+    def carry(rel_dir: str) -> None:
+        nonlocal complete
+        for name in sorted(os.listdir(os.path.join(old, rel_dir))):
+            rel = os.path.join(rel_dir, name)
+            src, dst = os.path.join(old, rel), os.path.join(new, rel)
+            if is_owned(rel):
+                continue
+            if os.path.isdir(src) and not os.path.islink(src) and os.path.isdir(dst):
+                carry(rel)  # a directory both have (extra/): what the user added inside it
+                continue
+            if os.path.lexists(dst):
+                logger.debug("fshard.checkpoint.save: %s is in the new checkpoint already", rel)
+                continue
+            try:
+                os.rename(src, dst)
+            except OSError as exc:
+                complete = False
+                logger.warning(
+                    "fshard.checkpoint.save: could not keep %s in the new checkpoint (%s); the "
+                    "replaced checkpoint stays at %s",
+                    rel,
+                    exc,
+                    old,
+                )
+
+    try:
+        carry("")
+    except OSError as exc:
+        logger.warning("fshard.checkpoint.save: could not read %s (%s); it stays", old, exc)
+        return False
+    return complete
 
 
 def _optim_template(

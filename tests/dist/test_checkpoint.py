@@ -572,3 +572,35 @@ def test_non_strict_load_with_an_optimizer_takes_the_common_parameters(saved_2, 
         assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"] == 0.05
         for name in names:  # one more step: loaded counters go on, new ones start at 1
             assert after["state"][name]["step"].item() == (2 if name in common else 1), name
+
+
+def test_saving_again_to_a_path_keeps_the_files_the_user_added(tmp_path):
+    """One ``ckpt/last`` directory saved every N steps, with the model's ``config.json`` and a
+    tokenizer beside fshard's files (the Hugging Face habit): a save replaces fshard's files and
+    keeps the user's, also those a crash mid-swap left in the replaced checkpoint."""
+    path = tmp_path / "last"
+    get_pool(2).run(_save_only_task, str(path), C.SPEC, {"step": 1})
+    (path / "config.json").write_text('{"n_layer": 2}')
+    (path / "tokenizer").mkdir()
+    (path / "tokenizer" / "vocab.txt").write_text("a b c")
+    (path / "extra" / "notes.txt").write_text("inside fshard's directory")
+    fshard_files = sorted(os.listdir(path))
+    get_pool(2).run(_save_only_task, str(path), C.SPEC, {"step": 2})
+    assert (path / "config.json").read_text() == '{"n_layer": 2}'
+    assert (path / "tokenizer" / "vocab.txt").read_text() == "a b c"
+    assert (path / "extra" / "notes.txt").read_text() == "inside fshard's directory"
+    assert sorted(os.listdir(path)) == fshard_files
+    assert sorted(os.listdir(tmp_path)) == ["last"]
+    extra, _ = get_pool(2).run(_load_only_task, str(path))[0]
+    assert extra == {"step": 2}
+    # A crash after the swap moved the previous checkpoint aside, before it was cleared: the
+    # user's file it still holds is kept by the next save.
+    aside = tmp_path / "last.old-0123456789ab"
+    shutil.copytree(path, aside)
+    (aside / "README.md").write_text("model card")
+    get_pool(1).run(_save_only_task, str(path), C.SPEC, {"step": 3})
+    assert (path / "README.md").read_text() == "model card"
+    assert (path / "config.json").read_text() == '{"n_layer": 2}'
+    assert sorted(os.listdir(tmp_path)) == ["last"]
+    # The stale rank-1 files of the 2-rank checkpoint are not carried into the 1-rank one.
+    assert not (path / "extra" / "rank-00001.safetensors").exists()
