@@ -13,6 +13,15 @@ sharded (each shared parameter counted once), exactly like FSDP1's size-based au
 callable gets the module and returns a bool. A selected module that would own no parameter is
 skipped (it would be an empty unit); a selected ``nn.ModuleList`` / ``nn.ModuleDict`` is an
 error, because containers have no forward and their unit could never gather.
+
+[Note: modules that read their children's parameters]
+``nn.MultiheadAttention.forward`` never calls its ``out_proj``: it passes ``out_proj.weight`` to
+``F.multi_head_attention_forward`` directly. A unit made of ``out_proj`` would never be gathered,
+and the attention would compute with this rank's shard (a wrong result, or a shape error
+elsewhere). So no policy looks inside such a module (``_OPAQUE``), the root included: it can be
+a unit itself (``by_class(nn.MultiheadAttention)``), or its parameters stay with the unit that
+holds it. ``policy.descends(module)`` is asked of every module, the root too, before looking
+inside it.
 """
 
 from __future__ import annotations
@@ -50,17 +59,21 @@ logger = logging.getLogger("fshard")
 M = TypeVar("M", bound=nn.Module)
 
 # Modules whose forward reads their children's parameters directly (without calling the
-# children), so a unit below them would never be gathered. FSDP1's size policy neither wraps
-# them nor looks inside; by_size does the same, so both pick the same units.
-_LEAF_FOR_SIZE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+# children), so a unit below them would never be gathered: no policy looks inside them (see
+# [Note: modules that read their children's parameters]). FSDP1's size policy does not wrap
+# them either, so by_size never selects one.
+_OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 class WrapPolicy(abc.ABC):
     """Base class of the built-in policies (``by_class``, ``by_size``).
 
     ``selects(module, unowned_numel)`` decides; ``descends(module)`` says whether to look inside
-    ``module`` at all. Calling a policy on a module answers for the module alone (all its
-    parameters counted as unowned). Any ``callable(module) -> bool`` is also a policy.
+    ``module`` at all (asked of the root too). Whatever a policy says, nothing inside an
+    ``nn.MultiheadAttention`` is selected: its forward reads ``out_proj.weight`` without calling
+    ``out_proj``, so a unit there would never be gathered. Calling a policy on a module answers
+    for the module alone (all its parameters counted as unowned). Any ``callable(module) ->
+    bool`` is also a policy.
 
     Example:
         >>> import fshard, torch
@@ -86,7 +99,9 @@ class ByClass(WrapPolicy):
 
     ``classes`` holds types, or class names (``"BertLayer"``, or a qualified
     ``"transformers.models.bert.modeling_bert.BertLayer"``) that ``auto_shard`` resolves against
-    the classes present in the model; a name found nowhere in the model is an error.
+    the classes present in the model; a name found nowhere in the model is an error. Modules
+    inside an ``nn.MultiheadAttention`` are never selected (``by_class(nn.Linear)`` leaves its
+    ``out_proj`` alone); the attention module itself may be.
 
     Example:
         >>> import fshard, torch
@@ -153,7 +168,8 @@ class BySize(WrapPolicy):
     "Unowned" means not already taken by a selected module below (see [Note: what a policy
     sees]), so units come out at roughly ``min_num_params`` each, bottom-up, like FSDP1's
     ``size_based_auto_wrap_policy``. ``nn.ModuleList``/``nn.ModuleDict`` are never selected, and
-    an ``nn.MultiheadAttention`` stays with its parent, whole (FSDP1 treats it the same way).
+    an ``nn.MultiheadAttention`` stays with its parent, whole, root or not (FSDP1 treats it the
+    same way).
 
     Example:
         >>> import fshard, torch
@@ -169,20 +185,21 @@ class BySize(WrapPolicy):
             raise ValueError(f"by_size: min_num_params must be an int >= 0, got {n!r}")
 
     def selects(self, module: nn.Module, unowned_numel: int) -> bool:
-        if isinstance(module, _CONTAINERS + _LEAF_FOR_SIZE):
+        if isinstance(module, _CONTAINERS + _OPAQUE):
             return False
         return unowned_numel >= self.min_num_params
 
     def descends(self, module: nn.Module) -> bool:
-        return not isinstance(module, _LEAF_FOR_SIZE)
+        return not isinstance(module, _OPAQUE)
 
 
 def by_class(*classes: type[nn.Module] | str) -> ByClass:
     """A policy selecting every submodule that is an instance of one of ``classes``.
 
     The TRANSFORMER_BASED_WRAP policy: pass the transformer block class(es). Nested matches are
-    all selected, innermost first. Class names (strings) are resolved against the model by
-    ``auto_shard``.
+    all selected, innermost first, except inside an ``nn.MultiheadAttention`` (its forward reads
+    its ``out_proj`` parameters directly; they stay with the unit that holds the attention).
+    Class names (strings) are resolved against the model by ``auto_shard``.
 
     Example:
         >>> import fshard
@@ -221,7 +238,9 @@ def select_modules(
 
     The order is the order of the ``fully_shard`` calls: post-order, children before parents,
     each child subtree in registration order. The root is never listed (``auto_shard`` always
-    shards it last). Pure: no process group, the model is not changed.
+    shards it last). Nothing inside an ``nn.MultiheadAttention`` is listed, nor anything below a
+    module (the root included) whose ``policy.descends(module)`` is false. Pure: no process
+    group, the model is not changed.
 
     Example:
         >>> import fshard, torch
@@ -264,7 +283,8 @@ def select_modules(
             owned.update(id(p) for p in unowned)
             selected.append(fqn)
 
-    visit(model, "")
+    if _descends(policy, model):
+        visit(model, "")
     problems.raise_if_any(ValueError)
     return selected
 
@@ -341,6 +361,10 @@ def _check_policy(policy: object, where: str) -> Policy:
 
 
 def _descends(policy: Policy, module: nn.Module) -> bool:
+    """Whether ``select_modules`` looks inside ``module`` (see [Note: modules that read their
+    children's parameters])."""
+    if isinstance(module, _OPAQUE):
+        return False
     return policy.descends(module) if isinstance(policy, WrapPolicy) else True
 
 

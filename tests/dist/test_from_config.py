@@ -381,3 +381,71 @@ def test_a_meta_model_on_rank0_is_an_error_on_every_rank_at_once(config: dict[st
     assert "every rank raises this error" in message
     other = "fsdp_sync_module_states" if "cpu_ram" in named else "fsdp_cpu_ram_efficient_loading"
     assert other not in message
+
+
+# ------------------------------------------------------------------- attention modules
+
+
+class AttnNet(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight in its forward without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, 2)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        h, _ = self.attn(q, k, v)
+        return self.out(h)
+
+
+def _root_attention() -> nn.Module:
+    return nn.MultiheadAttention(DIM, 2)
+
+
+def _seeded(make: Any) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return make()
+
+
+def _attn_batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(SEQ, BATCH, DIM, generator=gen)
+    return (x, x, x)  # query, key, value: self-attention
+
+
+def _attn_loss(model: nn.Module, data: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    out = model(*data)
+    return (out[0] if isinstance(out, tuple) else out).pow(2).mean()
+
+
+def _apply_expecting_units(config: dict[str, Any], units: tuple[str, ...], model: nn.Module, mesh: Any) -> None:
+    fshard.from_config(model, config)
+    got = tuple(row[0] for row in describe_units(model))
+    if got != units:
+        raise AssertionError(f"rank {dist.get_rank()}: units {got}, want {units}")
+
+
+@pytest.mark.parametrize(
+    ("make", "config", "units"),
+    [
+        # by_size(1) looked inside a root attention and made out_proj a unit: wrong outputs.
+        (_root_attention, {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 1}, ("",)),
+        # by_class(Linear) selected attn.out_proj: a shape error in the forward.
+        (AttnNet, {"fsdp_transformer_layer_cls_to_wrap": "Linear,NonDynamicallyQuantizableLinear"}, ("", "out")),
+        (AttnNet, {"fsdp_transformer_layer_cls_to_wrap": "MultiheadAttention"}, ("", "attn")),
+    ],
+    ids=["size-root-attention", "linear-class-inner-attention", "attention-class"],
+)
+def test_attention_projections_stay_with_the_attention_and_train_like_ddp(
+    make: Any, config: dict[str, Any], units: tuple[str, ...]
+) -> None:
+    assert_equivalent_to_ddp(
+        functools.partial(_seeded, make),
+        batch_fn=_attn_batch,
+        loss_fn=_attn_loss,
+        shard_fn=functools.partial(_apply_expecting_units, config, units),
+        world_size=WORLD,
+        steps=2,
+    )

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import _recursive_wrap, size_based_auto_wrap_policy
 
 import fshard
-from fshard._wrap import checkpoint_forward, select_modules
+from fshard._wrap import ByClass, BySize, WrapPolicy, checkpoint_forward, select_modules
 from fshard.testing.models import Block, TinyTransformer, TransformerSpec
 
 
@@ -138,6 +138,58 @@ def test_by_size_skips_containers_and_stays_out_of_attention() -> None:
     assert select_modules(model, fshard.by_size(50)) == ["layers.0", "layers.1"]
 
 
+class _AttnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)  # forward reads out_proj.weight, never calls it
+        self.out = nn.Linear(8, 8)
+
+
+class _NeverDescends(WrapPolicy):
+    """Selects every module, but looks inside none (so nothing below the root)."""
+
+    def selects(self, module: nn.Module, unowned_numel: int) -> bool:
+        return True
+
+    def descends(self, module: nn.Module) -> bool:
+        return False
+
+
+# out_proj is an nn.Linear (of class NonDynamicallyQuantizableLinear), over 1 parameter.
+ANY_LINEAR = [fshard.by_class(nn.Linear), fshard.by_class("NonDynamicallyQuantizableLinear"), fshard.by_size(1),
+              lambda m: isinstance(m, nn.Linear)]  # fmt: skip
+ANY_LINEAR_IDS = ["by_class", "by_class_name", "by_size", "callable"]
+
+
+@pytest.mark.parametrize("policy", ANY_LINEAR, ids=ANY_LINEAR_IDS)
+def test_no_policy_looks_inside_a_root_multihead_attention(policy: Any) -> None:
+    # A unit of out_proj would never be gathered: the attention would compute with the shard.
+    assert select_modules(nn.MultiheadAttention(8, 2), policy) == []
+    assert _fsdp1_selection(nn.MultiheadAttention(8, 2), 1) == []  # FSDP1 does not look inside either
+
+
+@pytest.mark.parametrize("policy", ANY_LINEAR, ids=ANY_LINEAR_IDS)
+def test_no_policy_selects_inside_a_multihead_attention(policy: Any) -> None:
+    linear_named_linear = not isinstance(policy, ByClass) or nn.Linear in policy.classes
+    assert select_modules(_AttnNet(), policy) == (["out"] if linear_named_linear else [])
+    deeper = nn.Sequential(nn.Sequential(_AttnNet()), nn.Linear(8, 8))
+    want = ["0.0.out", "1"] if linear_named_linear else []
+    if isinstance(policy, BySize):  # the attention's parameters make its holder a unit too
+        want = ["0.0.out", "0.0", "1"]
+    assert select_modules(deeper, policy) == want
+
+
+def test_the_attention_module_itself_may_be_a_unit() -> None:
+    assert select_modules(_AttnNet(), fshard.by_class(nn.MultiheadAttention)) == ["attn"]
+    assert select_modules(_AttnNet(), fshard.by_class(nn.MultiheadAttention, nn.Linear)) == ["attn", "out"]
+    assert select_modules(_AttnNet(), lambda m: True) == ["attn", "out"]
+
+
+def test_the_root_is_asked_whether_to_descend() -> None:
+    assert select_modules(_AttnNet(), _NeverDescends()) == []
+    assert select_modules(nn.Sequential(nn.Linear(2, 2)), _NeverDescends()) == []
+
+
 def test_ignored_params_do_not_count() -> None:
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
     assert select_modules(model, fshard.by_size(100)) == ["0", "1"]
@@ -202,9 +254,10 @@ def _fsdp1_selection(model: nn.Module, min_num_params: int) -> list[str]:
     return wrapped
 
 
-@given(spec=_trees, min_num_params=st.integers(1, 120))
-def test_by_size_matches_fsdp1_auto_wrap(spec: tuple[Any, ...], min_num_params: int) -> None:
-    root = nn.Sequential(_build(spec))
+@given(spec=_trees, min_num_params=st.integers(1, 120), wrap_root=st.booleans())
+def test_by_size_matches_fsdp1_auto_wrap(spec: tuple[Any, ...], min_num_params: int, wrap_root: bool) -> None:
+    # wrap_root=False: the tree's own top module is the root (an attention, a container, ...).
+    root = nn.Sequential(_build(spec)) if wrap_root else _build(spec)
     assert select_modules(root, fshard.by_size(min_num_params)) == _fsdp1_selection(root, min_num_params)
 
 
