@@ -43,22 +43,33 @@ def mesh_for(shape: Sequence[int], device_type: str | None = None) -> DeviceMesh
 def default_shard(model: nn.Module, mesh: DeviceMesh) -> None:
     """``fully_shard`` every direct child that has parameters, then the root.
 
-    The ``shard_fn`` that ``assert_equivalent_to_ddp`` uses unless given another.
+    A child that is an ``nn.ModuleList`` or ``nn.ModuleDict`` (which has no forward of its
+    own) is looked into: each module in it that has parameters is sharded instead (the blocks of
+    ``self.blocks = nn.ModuleList(...)``). The ``shard_fn`` that ``assert_equivalent_to_ddp``
+    uses unless given another.
 
     Example:
         >>> default_shard(model, mesh_for((2,)))  # on every rank of a 2-rank pool  # doctest: +SKIP
     """
     import fshard
 
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fshard.fully_shard(child, mesh=mesh)
+    def shard_children(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                shard_children(child)
+            elif any(True for _ in child.parameters()):
+                fshard.fully_shard(child, mesh=mesh)
+
+    shard_children(model)
     fshard.fully_shard(model, mesh=mesh)
 
 
 def _square_mean(model: nn.Module, batch: Any) -> torch.Tensor:
     inputs = batch if isinstance(batch, tuple) else (batch,)
-    return model(*inputs).float().pow(2).mean()
+    out = model(*inputs)
+    if out.dtype != torch.float64:  # (a float64 model keeps its precision)
+        out = out.float()
+    return out.pow(2).mean()
 
 
 @dataclass(frozen=True)
@@ -175,7 +186,8 @@ def assert_equivalent_to_ddp(
     one in ``DistributedDataParallel`` and shards the other with ``shard_fn(model, mesh)``, then
     for ``steps`` optimizer steps computes ``loss_fn(model, batch_fn(micro_step, rank))`` on both
     and steps (gradient accumulation over ``grad_accum`` micro-batches through ``no_sync``; the
-    default loss is ``model(*batch).pow(2).mean()``), and compares every
+    default loss is ``model(*batch).pow(2).mean()``, computed in float32 unless the output is
+    float64; a batch that is not a tuple is passed as one argument), and compares every
     step's loss on every rank and the final full parameters within ``rtol``/``atol``.
     ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters=True`` for models
     that skip layers). ``optimizer_before_shard`` builds fshard's optimizer before sharding, to

@@ -72,3 +72,31 @@ def run_case(case: dict) -> None:
 @given(case=cases())
 def test_training_equals_ddp(case: dict) -> None:
     run_case(case)
+
+
+class _Stacked(torch.nn.Module):
+    """Blocks in an ``nn.ModuleList``, as most models keep them, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 2)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _stacked_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def test_the_defaults_take_a_module_list_and_keep_float64() -> None:
+    """With no ``shard_fn``, the blocks of a child ``nn.ModuleList`` become units (sharding the
+    list itself is refused: it has no forward), and a float64 model's default loss is float64."""
+    report = assert_equivalent_to_ddp(_Stacked, batch_fn=_stacked_batch, world_size=2, steps=2, rtol=1e-9, atol=1e-11)
+    want = _Stacked()(_stacked_batch(0, 0)).pow(2).mean().item()  # rank 0's first loss
+    assert abs(report.losses[0][0] - want) <= 1e-15 * abs(want), (report.losses[0][0], want)
