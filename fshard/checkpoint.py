@@ -374,7 +374,8 @@ def _verify(root: str, manifest: Mapping[str, Any], *, distributed: bool) -> Non
         raise CheckpointError(
             "checkpoint files failed verification:\n  "
             + "\n  ".join(sorted(set(problems)))
-            + "\nLoad an older checkpoint (fshard.checkpoint.latest lists complete ones)."
+            + "\nLoad an older checkpoint (fshard.checkpoint.latest finds the newest whose save "
+            "finished; it does not check the files' CRCs, so pass an older one by name)."
         )
 
 

@@ -1,7 +1,7 @@
 """Small models described by picklable specs, for property tests and users' own checks.
 
 A spec is a frozen dataclass; ``build_model(spec)`` builds the model, ``make_batch(spec, step,
-rank)`` a deterministic batch, ``compute_loss(spec, output, batch)`` the loss, and
+rank)`` a deterministic batch, ``compute_loss(spec, model, batch)`` the loss, and
 ``shard_model(spec, model, mesh, ...)`` applies ``fully_shard`` the way the spec says (one unit
 per layer or block, then the root). Everything is a module-level function so it pickles to a
 ``RankPool``.
