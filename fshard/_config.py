@@ -723,7 +723,11 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
             )
         else:
             values["sharding_strategy"] = implied
-    values.pop("version", None)
+    version = values.pop("version", None)
+    if version == 2 and "state_dict_type" not in values and not trainer:
+        # accelerate's FSDP2 plugin saves sharded checkpoints unless told otherwise (the
+        # Trainer passes FULL_STATE_DICT explicitly, so its configs keep that default).
+        values["state_dict_type"] = StateDictType.SHARDED_STATE_DICT
 
     policy = values.get("auto_wrap_policy")
     if policy is None:
@@ -799,10 +803,12 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | FSDPConfig 
     the ``fsdp_`` prefix is optional, ``fsdp_wrap_policy`` = ``fsdp_auto_wrap_policy``,
     ``fsdp_backward_prefetch`` = ``fsdp_backward_prefetch_policy``, ``min_num_param`` =
     ``min_num_params``, ``cpu_offload`` = ``fsdp_offload_params``, and ``SIZED_BASED_WRAP`` =
-    ``SIZE_BASED_WRAP``. A bare block read from a ``.json`` file, or holding a key only
-    Transformers writes (``cpu_offload``, ``xla``...), is a ``TrainingArguments`` fsdp_config and
-    gets the Trainer's defaults: TRANSFORMER_BASED_WRAP when no policy is given (accelerate's
-    default is NO_WRAP). ``min_num_params: 0`` means "not set", as in the Trainer.
+    ``SIZE_BASED_WRAP``. With ``fsdp_version: 2``, ``fsdp_state_dict_type`` defaults to
+    ``SHARDED_STATE_DICT``, as in accelerate's FSDP2 plugin. A bare block read from a ``.json``
+    file, or holding a key only Transformers writes (``cpu_offload``, ``xla``...), is a
+    ``TrainingArguments`` fsdp_config and gets the Trainer's defaults: TRANSFORMER_BASED_WRAP
+    when no policy is given (accelerate's default is NO_WRAP), ``FULL_STATE_DICT`` whatever the
+    version. ``min_num_params: 0`` means "not set", as in the Trainer.
 
     Example:
         >>> import fshard

@@ -256,6 +256,17 @@ def test_defaults_follow_accelerate() -> None:
     assert not cfg.syncs_module_states
 
 
+@pytest.mark.parametrize("version", [2, "2"])
+def test_fsdp_version_2_saves_sharded_by_default_like_accelerate(version: Any) -> None:
+    # accelerate's FSDP2 plugin: state_dict_type defaults to SHARDED_STATE_DICT (FSDP1: FULL).
+    whole = {"distributed_type": "FSDP", "num_machines": 1, "num_processes": 2, "fsdp_config": {"fsdp_version": version}}
+    assert fshard.load_config(whole).state_dict_type is StateDictType.SHARDED_STATE_DICT
+    assert fshard.load_config({"fsdp_version": version, "fsdp_reshard_after_forward": True}).state_dict_type == "SHARDED_STATE_DICT"
+    assert fshard.load_config({"fsdp_version": 1}).state_dict_type is StateDictType.FULL_STATE_DICT
+    explicit = {"fsdp_version": version, "fsdp_state_dict_type": "FULL_STATE_DICT"}
+    assert fshard.load_config(explicit).state_dict_type is StateDictType.FULL_STATE_DICT
+
+
 def test_aliases_with_equal_values_are_fine() -> None:
     cfg = fshard.load_config(
         {"fsdp_backward_prefetch": "BACKWARD_POST", "fsdp_backward_prefetch_policy": "BACKWARD_POST"}
