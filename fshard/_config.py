@@ -667,6 +667,31 @@ def _parse_top(parser: _Parser, data: Mapping[Any, Any]) -> tuple[dict[str, Any]
     return launch, mixed
 
 
+# [Note: the Trainer's fsdp_config defaults]
+# TrainingArguments (transformers 5.x, _process_fsdp_args) turns its fsdp_config into accelerate
+# plugin arguments with defaults of its own where they differ from accelerate's: "version"
+# defaults to 2; state_dict_type is always passed, FULL_STATE_DICT unless given (so FSDP2's
+# SHARDED default never applies); and for version 1 only, the FSDP1 options below are passed
+# with these defaults (sync_module_states "true": rank 0's weights are broadcast). For
+# version 2 the Trainer passes none of them (FSDP2 has no sync_module_states: only
+# cpu_ram_efficient_loading broadcasts).
+_TRAINER_FSDP1_DEFAULTS: dict[str, Any] = {
+    "sync_module_states": True,
+    "forward_prefetch": False,
+    "backward_prefetch": BackwardPrefetch.NO_PREFETCH,
+    "use_orig_params": True,
+}
+
+
+def _apply_trainer_defaults(values: dict[str, Any], version: int | None) -> None:
+    """Fill in what a Transformers Trainer fsdp_config leaves out as the Trainer does (see
+    [Note: the Trainer's fsdp_config defaults])."""
+    values.setdefault("state_dict_type", StateDictType.FULL_STATE_DICT)
+    if (version or 2) == 1:
+        for option, default in _TRAINER_FSDP1_DEFAULTS.items():
+            values.setdefault(option, default)
+
+
 def _dynamo_is_off(value: object) -> bool:
     return isinstance(value, Mapping) and str(value.get("dynamo_backend", "NO")).upper() == "NO"
 
@@ -724,7 +749,9 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
         else:
             values["sharding_strategy"] = implied
     version = values.pop("version", None)
-    if version == 2 and "state_dict_type" not in values and not trainer:
+    if trainer:
+        _apply_trainer_defaults(values, version)
+    elif version == 2 and "state_dict_type" not in values:
         # accelerate's FSDP2 plugin saves sharded checkpoints unless told otherwise (the
         # Trainer passes FULL_STATE_DICT explicitly, so its configs keep that default).
         values["state_dict_type"] = StateDictType.SHARDED_STATE_DICT
@@ -808,7 +835,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | FSDPConfig 
     file, or holding a key only Transformers writes (``cpu_offload``, ``xla``...), is a
     ``TrainingArguments`` fsdp_config and gets the Trainer's defaults: TRANSFORMER_BASED_WRAP
     when no policy is given (accelerate's default is NO_WRAP), ``FULL_STATE_DICT`` whatever the
-    version. ``min_num_params: 0`` means "not set", as in the Trainer.
+    version, and with ``version: 1`` (the Trainer's default is 2) ``sync_module_states: true``,
+    ``forward_prefetch: false``, ``backward_prefetch: NO_PREFETCH`` and ``use_orig_params:
+    true``. ``min_num_params: 0`` means "not set", as in the Trainer.
 
     Example:
         >>> import fshard

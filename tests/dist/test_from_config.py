@@ -119,7 +119,7 @@ def describe_units(model: nn.Module) -> list[tuple[Any, ...]]:
     return rows
 
 
-def apply_and_check(config: dict[str, Any], expect: Expect, model: nn.Module, mesh: Any) -> None:
+def apply_and_check(config: dict[str, Any] | str, expect: Expect, model: nn.Module, mesh: Any) -> None:
     """The ``shard_fn`` of the equivalence runs: apply the config, then check what it built."""
     fshard.from_config(model, config)
     reshard, shape = STRATEGY_LAYOUT[expect.strategy]
@@ -134,7 +134,7 @@ def apply_and_check(config: dict[str, Any], expect: Expect, model: nn.Module, me
         raise AssertionError("from_config did not record the applied config")
 
 
-def check_equivalent(config: dict[str, Any], expect: Expect, *, per_rank_init: bool = False, **kwargs: Any) -> None:
+def check_equivalent(config: dict[str, Any] | str, expect: Expect, *, per_rank_init: bool = False, **kwargs: Any) -> None:
     assert_equivalent_to_ddp(
         functools.partial(build, per_rank_init),
         batch_fn=batch,
@@ -236,6 +236,16 @@ def test_size_based_wrap_and_prefetch_options() -> None:
 def test_no_wrap_is_the_root_only() -> None:
     config = {"fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_backward_prefetch_policy": "NO_PREFETCH"}
     check_equivalent(config, Expect(("",), backward_prefetch=fshard.BackwardPrefetch.NO_PREFETCH))
+
+
+def test_transformers_fsdp1_config_broadcasts_rank0_weights_as_the_trainer_does(tmp_path: Any) -> None:
+    # TrainingArguments with fsdp_config "version": 1 passes sync_module_states "true" unless
+    # the file says otherwise (and no backward or forward prefetch): ranks that start from
+    # different weights must end up training rank 0's, like DDP.
+    path = tmp_path / "fsdp_config.json"
+    path.write_text('{"version": 1, "transformer_layer_cls_to_wrap": ["BertLayer"]}')
+    expect = Expect(LAYERS, forward_prefetch=False, backward_prefetch=fshard.BackwardPrefetch.NO_PREFETCH)
+    check_equivalent(str(path), expect, per_rank_init=True)
 
 
 def test_config_from_a_yaml_path_and_errors_on_every_rank(tmp_path: Any) -> None:

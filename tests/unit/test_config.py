@@ -662,3 +662,35 @@ def test_transformers_fsdp_config_json_reads_as_the_trainer_reads_it(tmp_path: P
     # ...while an accelerate block keeps accelerate's default, NO_WRAP.
     assert fshard.load_config({"fsdp_sharding_strategy": 1}).auto_wrap_policy is AutoWrapPolicy.NO_WRAP
     assert fshard.load_config({"fsdp_min_num_params": 0, "fsdp_transformer_layer_cls_to_wrap": "X"}).auto_wrap_policy.value == "TRANSFORMER_BASED_WRAP"
+
+
+def test_transformers_fsdp_config_gets_the_trainers_fsdp1_defaults(tmp_path: Path) -> None:
+    # TrainingArguments._process_fsdp_args (transformers 5.x): with "version": 1 it passes
+    # sync_module_states (default "true"), forward_prefetch ("false"), backward_prefetch
+    # ("NO_PREFETCH") and use_orig_params ("true"); the version defaults to 2, which passes
+    # none of them; state_dict_type is always passed, FULL_STATE_DICT unless given.
+    def load(block: dict) -> Any:
+        path = tmp_path / "fsdp_config.json"
+        path.write_text(json.dumps(block))
+        return fshard.load_config(path)
+
+    v1 = load({"version": 1, "transformer_layer_cls_to_wrap": ["Layer"]})
+    assert v1.sync_module_states and v1.syncs_module_states
+    assert (v1.forward_prefetch, v1.backward_prefetch) == (False, fshard.BackwardPrefetch.NO_PREFETCH)
+    assert v1.use_orig_params and v1.state_dict_type is StateDictType.FULL_STATE_DICT
+    # The dict the Trainer normalised (the xla keys mark it) reads the same way.
+    assert fshard.load_config({"version": "1", "xla": False}).sync_module_states
+    # What the file says wins.
+    given = load({"fsdp_version": 1, "sync_module_states": "false", "backward_prefetch": "backward_pre",
+                  "forward_prefetch": True})  # fmt: skip
+    assert not given.sync_module_states
+    assert (given.forward_prefetch, given.backward_prefetch) == (True, fshard.BackwardPrefetch.BACKWARD_PRE)
+    # Version 2 (the Trainer's default): no FSDP1 options, and FULL_STATE_DICT, not FSDP2's SHARDED.
+    for block in ({"transformer_layer_cls_to_wrap": ["Layer"]}, {"version": 2, "cpu_offload": True}):
+        v2 = load(block)
+        assert not v2.syncs_module_states, block
+        assert (v2.forward_prefetch, v2.backward_prefetch) == (None, None), block
+        assert v2.state_dict_type is StateDictType.FULL_STATE_DICT, block
+    # An accelerate file is not a Trainer config: accelerate's defaults.
+    accelerate_v1 = fshard.load_config({"fsdp_version": 1, "fsdp_transformer_layer_cls_to_wrap": "Layer"})
+    assert not accelerate_v1.syncs_module_states and accelerate_v1.backward_prefetch is None
