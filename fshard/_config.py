@@ -1093,11 +1093,29 @@ def _replicate_size(cfg: FSDPConfig) -> int | None:
 
     Under torchrun (``fshard launch``), ``strategy_kwargs`` derives the machine count from
     ``LOCAL_WORLD_SIZE``, which is right even when ``--nnodes`` overrode the file; otherwise the
-    file's ``num_machines`` says.
+    file's ``num_machines`` says, and must divide the world size (checked here, to blame the
+    key the user wrote rather than ``strategy_kwargs``' ``replicate_size``).
     """
     if cfg.sharding_strategy not in _HYBRID or "LOCAL_WORLD_SIZE" in os.environ:
         return None
-    return cfg.launch.num_machines
+    machines = cfg.launch.num_machines
+    if machines is None or not (dist.is_available() and dist.is_initialized()):
+        return machines
+    world = dist.get_world_size()
+    if world % machines:
+        raise ValueError(
+            f"{_describe_source(cfg)}: {cfg.sharding_strategy.name} keeps one replica per machine, "
+            f"but num_machines: {machines} does not divide the {world} processes this job runs; "
+            f"set num_machines to the number of machines the job runs on (a divisor of {world}), "
+            "or start the script with `fshard launch`, which takes the machine count from the "
+            "launch"
+        )
+    return machines
+
+
+def _describe_source(cfg: FSDPConfig) -> str:
+    """The config in messages: its file, if it came from one."""
+    return f"FSDP config {cfg.source!r}" if cfg.source is not None else "FSDP config (dict)"
 
 
 def _sync_keys(cfg: FSDPConfig) -> str:

@@ -459,3 +459,31 @@ def test_attention_projections_stay_with_the_attention_and_train_like_ddp(
         world_size=WORLD,
         steps=2,
     )
+
+
+# ------------------------------------------------------------------------- hybrid layouts
+
+
+def _apply_config(config: dict[str, Any] | str) -> None:
+    fshard.from_config(build(), config)
+
+
+@pytest.mark.parametrize("machines", [4, 3])
+def test_hybrid_with_num_machines_not_dividing_the_world_names_num_machines(machines: int, tmp_path: Any) -> None:
+    from fshard.testing import RanksFailed
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(
+        f"distributed_type: FSDP\nnum_machines: {machines}\nnum_processes: {2 * machines}\n"
+        "fsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"
+    )
+    with pytest.raises(RanksFailed) as info:
+        get_pool(WORLD).run(_apply_config, str(path), timeout=60)
+    assert sorted(info.value.errors) == [0, 1]
+    assert all(isinstance(exc, ValueError) for exc in info.value.errors.values())
+    message = str(info.value.errors[0])
+    assert message == str(info.value.errors[1])
+    assert message.startswith(f"FSDP config {str(path)!r}: HYBRID_SHARD keeps one replica per machine, "
+                              f"but num_machines: {machines} does not divide the 2 processes this job runs; "
+                              "set num_machines to the number of machines")  # fmt: skip
+    assert "replicate_size" not in message
