@@ -354,7 +354,7 @@ class UnshardHandle:
     def wait(self) -> None:
         for group in self._groups:
             if group.sharded_state is ShardedState.UNSHARDING:
-                group.wait_for_unshard()
+                group.unshard()  # waits (or gathers afresh if the shards changed since)
         self._groups = []
 
 

@@ -248,7 +248,7 @@ class ParamGroup:
         # of that forward (or of an older, retained graph) checks them. Noted per slot, so a
         # forward before a rebuild has no say.
         self._forward_versions: tuple[int, ...] | None = None
-        self._versions_at_gather: tuple[int, ...] | None = None  # the shards' when last gathered
+        self._versions_at_gather: tuple[int, ...] | None = None  # the shards' when gather issued
         for slot in self.slots:
             self._ensure_grad_hook(slot)
 
@@ -319,11 +319,15 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
-        if self.is_hidden() and self._versions_at_gather != self._shard_versions():
-            # Kept from a forward whose backward has not run, and the shards changed since (an
-            # optimizer step, an edit): gather afresh rather than show the old values. (That
-            # backward, if it comes, raises: see check_unchanged_since_forward.) The same on
-            # every rank: every rank steps or edits alike.
+        if (
+            self.is_hidden() or self.sharded_state is ShardedState.UNSHARDING
+        ) and self._versions_at_gather != self._shard_versions():
+            # Kept from a forward whose backward has not run, or prefetched by one (a unit
+            # called again late in the forward prefetches the one recorded after it), and the
+            # shards changed since the gather was issued (an optimizer step, an edit): gather
+            # afresh rather than show the old values. (That backward, if it comes, raises: see
+            # check_unchanged_since_forward.) The same on every rank: every rank steps or edits
+            # alike.
             self.reshard()
         if self.sharded_state is ShardedState.UNSHARDED or (
             self.sharded_state is ShardedState.UNSHARDING and not async_op
@@ -357,6 +361,7 @@ class ParamGroup:
                 )
                 pending.append((bucket, work, all_gather_output))
             self._pending_gather = pending
+            self._versions_at_gather = self._shard_versions()  # what the gather reads
             self.sharded_state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -383,7 +388,6 @@ class ParamGroup:
             self._pending_gather = []
             self._register_unsharded()
             self._note_gathered_versions()
-            self._versions_at_gather = self._shard_versions()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _shard_versions(self) -> tuple[int, ...]:

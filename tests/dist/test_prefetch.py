@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 import fshard
 from fshard.testing import assert_equivalent_to_ddp, get_pool, mesh_for, trace_collectives
@@ -440,3 +441,59 @@ def test_units_that_computed_a_target_without_grad_are_reduced_during_the_backwa
                 assert backward.index(("reduce_scatter", f"blocks.{i}")) < backward.index(
                     ("all_gather", f"blocks.{i - 2}")
                 ), backward
+
+
+# ------------------------------------------- a prefetch that outlives its forward
+
+
+class _TiedProjection(nn.Module):
+    """An embedding unit called again at the end as the output projection (GPT-2's tied head):
+    that second call prefetches the unit recorded after it, ``blocks.0``, which does not run
+    again, so a forward with no backward leaves its gather in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = _Projectable()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.emb(h, project=True)
+
+
+class _Projectable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 6) * 0.5)
+
+    def forward(self, x: torch.Tensor, project: bool = False) -> torch.Tensor:
+        return x @ self.weight.t() if project else self.weight[x]
+
+
+def _validation_between_backward_and_step_worker() -> None:
+    from tests.dist.test_usage_cases import _assert_params_equal, _beside_ddp, _sgd
+
+    ddp, model, reference = _beside_ddp(_TiedProjection, lambda m: (m.emb, *m.blocks))
+    optims = _sgd(ddp, model)
+    for step in range(3):
+        tokens = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(7 * step + dist.get_rank()))
+        losses = []
+        for m in (ddp, model):
+            loss = F.cross_entropy(m(tokens).reshape(-1, 10), tokens.reshape(-1))
+            loss.backward()
+            m(tokens.flip(0)).pow(2).mean()  # a validation forward, grad mode left on
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-6, (step, losses)
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+
+
+def test_a_gather_in_flight_across_an_optimizer_step_is_not_used():
+    """The next forward gathers a unit afresh when its shards changed (the optimizer stepped)
+    since a gather still in flight was issued: it computed with the weights from before the
+    step (or a mix, read while the step wrote them), off DDP from the next step on."""
+    get_pool(2).run(_validation_between_backward_and_step_worker)
