@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -174,7 +174,10 @@ class FSDPConfig:
     Fields mirror the ``fsdp_config`` keys without their ``fsdp_`` prefix; ``mixed_precision``
     is the accelerate top-level key and ``launch`` holds the other top-level keys
     (``LaunchConfig``). ``backward_prefetch=None`` / ``forward_prefetch=None`` keep fshard's
-    defaults (prefetch the next unit in both directions). Enum fields compare equal to their
+    defaults (prefetch the next unit in both directions). ``replicate_size`` and ``shard_size``
+    are the data-parallel layout of accelerate's ``parallelism_config`` (``dp_replicate_size``,
+    ``dp_shard_size``; ``None`` when not given): the hybrid strategies replicate
+    ``replicate_size`` times, otherwise once per machine. Enum fields compare equal to their
     accelerate names (``cfg.state_dict_type == "SHARDED_STATE_DICT"``), so checkpoint code can
     honour them. ``mp_policy``, ``offload_policy`` and ``wrap_policy(model)`` give the fshard
     objects that ``from_config`` uses.
@@ -199,6 +202,8 @@ class FSDPConfig:
     use_orig_params: bool = True
     activation_checkpointing: bool = False
     mixed_precision: MixedPrecisionName = MixedPrecisionName.NO
+    replicate_size: int | None = None
+    shard_size: int | None = None
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     source: str | None = None  # where it was read from (a path), for messages
 
@@ -237,6 +242,13 @@ class FSDPConfig:
             raise ValueError(f"{owner}.min_num_params must be an int >= 0, got {n!r}")
         if not isinstance(self.launch, LaunchConfig):
             raise TypeError(f"{owner}.launch must be a LaunchConfig, got {self.launch!r}")
+        _check_optional_int(owner, "replicate_size", self.replicate_size, 1)
+        _check_optional_int(owner, "shard_size", self.shard_size, 1)
+        if self.replicate_size is not None and self.sharding_strategy not in _HYBRID:
+            raise ValueError(
+                f"{owner}.replicate_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
+                f"{self.sharding_strategy.name}; leave it None"
+            )
 
     # ------------------------------------------------------------------ the fshard objects
 
@@ -363,13 +375,13 @@ _OTHER_SECTIONS = (
     "mpirun_config",
     "tp_config",
     "fp8_config",
-    "parallelism_config",
     "dynamo_config",
 )
 _TOP_KEYS = (
     "compute_environment",
     "distributed_type",
     "fsdp_config",
+    "parallelism_config",
     "mixed_precision",
     "fp16",
     "dynamo_backend",
@@ -594,10 +606,19 @@ def _parse_value(parser: _Parser, canon: str, key: str, value: object) -> Any:
     return _INVALID if len(parser.problems.items) > before else result
 
 
-def _parse_top(parser: _Parser, data: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
-    """Validate the top level of a whole accelerate file; returns (launch fields, mixed precision)."""
+class _Top(NamedTuple):
+    """What the top level of a whole accelerate file holds besides ``fsdp_config``."""
+
+    launch: dict[str, Any]  # LaunchConfig fields
+    mixed_precision: Any  # a MixedPrecisionName, or _INVALID when not given
+    parallelism: dict[str, int] | None  # _PARALLELISM_SIZES -> size; None when not given
+
+
+def _parse_top(parser: _Parser, data: Mapping[Any, Any]) -> _Top:
+    """Validate the top level of a whole accelerate file."""
     launch: dict[str, Any] = {}
     mixed: Any = _INVALID
+    parallelism: dict[str, int] | None = None
     valid = sorted(_TOP_KEYS)
     for key, value in data.items():
         if key not in _TOP_KEYS:
@@ -656,6 +677,8 @@ def _parse_top(parser: _Parser, data: Mapping[Any, Any]) -> tuple[dict[str, Any]
                     parser.fail(key, value, "'all' or comma-separated device indices")
         elif key == "use_cpu":
             launch[key] = parser.boolean(key, value)
+        elif key == "parallelism_config":
+            parallelism = _parse_parallelism(parser, value)
         elif key in _OTHER_SECTIONS:
             if value and not (key == "dynamo_config" and _dynamo_is_off(value)):
                 logger.warning("%s is ignored: fshard applies only the FSDP options", key)
@@ -664,7 +687,107 @@ def _parse_top(parser: _Parser, data: Mapping[Any, Any]) -> tuple[dict[str, Any]
                 logger.warning("dynamo_backend %r is ignored: fshard does not compile the model", value)
         # _IGNORED_TOP_KEYS: accelerate-only settings (TPU, notebooks, affinity): nothing to do.
     launch = {k: v for k, v in launch.items() if v is not None}
-    return launch, mixed
+    return _Top(launch, mixed, parallelism)
+
+
+# [Note: accelerate's parallelism_config]
+# accelerate (FSDP2) lays out the ranks with a ParallelismConfig: dp_replicate_size x
+# dp_shard_size x tp_size x cp_size (x sp_size) must equal num_processes. fshard does data
+# parallelism only: dp_replicate_size > 1 is HSDP, fshard's hybrid layout (a (dp_replicate_size,
+# dp_shard_size) mesh; HYBRID_SHARD, or HYBRID_SHARD_ZERO2 with fsdp_reshard_after_forward:
+# false); dp_replicate_size 1 is plain sharding over dp_shard_size ranks. Tensor, context and
+# sequence parallelism (a size > 1) are errors; their other options only matter then.
+_PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+_PARALLELISM_OTHER = (
+    "cp_comm_strategy",
+    "cp_backend",
+    "sp_backend",
+    "sp_seq_length",
+    "sp_seq_length_is_variable",
+    "sp_attn_implementation",
+)
+_NOT_DATA_PARALLEL = {
+    "tp_size": "tensor parallelism",
+    "cp_size": "context parallelism",
+    "sp_size": "sequence parallelism",
+}
+_PARALLELISM_PREFIX = "parallelism_config_"
+
+
+def _parse_parallelism(parser: _Parser, section: object) -> dict[str, int]:
+    """The sizes of accelerate's ``parallelism_config`` section (1 where not given); see
+    [Note: accelerate's parallelism_config]."""
+    sizes = dict.fromkeys(_PARALLELISM_SIZES, 1)
+    if section is None:
+        return sizes
+    if not isinstance(section, Mapping):
+        parser.fail("parallelism_config", section, "a mapping of parallelism_config_* sizes")
+        return sizes
+    valid = sorted(_PARALLELISM_PREFIX + name for name in (*_PARALLELISM_SIZES, *_PARALLELISM_OTHER))
+    for key, value in section.items():
+        name = key.removeprefix(_PARALLELISM_PREFIX) if isinstance(key, str) else None
+        if isinstance(key, str) and key.startswith(_PARALLELISM_PREFIX) and name in _PARALLELISM_SIZES:
+            size = parser.integer(key, value, 1)
+            if size is not None:
+                sizes[name] = size
+        elif not (isinstance(key, str) and key.startswith(_PARALLELISM_PREFIX) and name in _PARALLELISM_OTHER):
+            _unknown_key(parser, key, valid, "parallelism_config")
+    for name, what in _NOT_DATA_PARALLEL.items():
+        if sizes[name] > 1:
+            parser.problems.add(
+                f"{_PARALLELISM_PREFIX}{name}: {sizes[name]} asks for {what}, which fshard does "
+                f"not do (it shards data parallel only); set {_PARALLELISM_PREFIX}{name}: 1 and "
+                f"give those ranks to {_PARALLELISM_PREFIX}dp_shard_size (or "
+                f"{_PARALLELISM_PREFIX}dp_replicate_size)"
+            )
+    return sizes
+
+
+def _apply_parallelism(
+    parser: _Parser,
+    values: dict[str, Any],
+    explicit_strategy: str | None,
+    sizes: dict[str, int],
+    num_processes: int | None,
+) -> None:
+    """Turn the data-parallel sizes of ``parallelism_config`` into the sharding strategy and the
+    mesh (``replicate_size``, ``shard_size``); ``explicit_strategy`` is the key that named a
+    strategy, if one did (see [Note: accelerate's parallelism_config])."""
+    replicas, shards = sizes["dp_replicate_size"], sizes["dp_shard_size"]
+    if replicas == shards == 1:
+        return  # nothing asked for: the layout of the other keys
+    rep_key, shard_key = f"{_PARALLELISM_PREFIX}dp_replicate_size", f"{_PARALLELISM_PREFIX}dp_shard_size"
+    total = replicas * shards * sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"]
+    if num_processes is not None and total != num_processes:
+        parser.problems.add(
+            f"parallelism_config: {rep_key} {replicas} x {shard_key} {shards} is {total} "
+            f"processes, but num_processes is {num_processes}; make the product equal "
+            "num_processes (accelerate requires it too)"
+        )
+    strategy = values.get("sharding_strategy")
+    if replicas > 1:
+        if explicit_strategy is None or strategy in _HYBRID:
+            # Unset, or fsdp_reshard_after_forward true / false: FSDP2's HSDP.
+            zero2 = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
+            values["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD
+            values["replicate_size"] = replicas
+        else:
+            parser.problems.add(
+                f"{explicit_strategy} is {_show(strategy)}, but {rep_key}: {replicas} asks for "
+                f"{replicas} replicas of {shards}-way sharding (hybrid sharding); set "
+                f"{explicit_strategy} to HYBRID_SHARD or HYBRID_SHARD_ZERO2 (or leave it out), or "
+                f"{rep_key}: 1"
+            )
+    elif explicit_strategy is not None and strategy not in (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+    ):
+        parser.problems.add(
+            f"{explicit_strategy} is {_show(strategy)}, but {rep_key}: 1 with {shard_key}: "
+            f"{shards} asks for plain sharding over {shards} ranks; set {explicit_strategy} to "
+            f"FULL_SHARD or SHARD_GRAD_OP (or leave it out), or set {rep_key} above 1"
+        )
+    values["shard_size"] = shards
 
 
 # [Note: the Trainer's fsdp_config defaults]
@@ -700,8 +823,9 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
     whole = "fsdp_config" in data or "distributed_type" in data
     launch: dict[str, Any] = {}
     top_mixed: Any = _INVALID
+    parallelism: dict[str, int] | None = None
     if whole:
-        launch, top_mixed = _parse_top(parser, data)
+        launch, top_mixed, parallelism = _parse_top(parser, data)
         block = data.get("fsdp_config") or {}
         if not isinstance(block, Mapping):
             block = {}
@@ -748,6 +872,11 @@ def _build(parser: _Parser, data: Mapping[Any, Any], source: str | None) -> FSDP
             )
         else:
             values["sharding_strategy"] = implied
+    if parallelism is not None:
+        explicit = keys.get("sharding_strategy")
+        if raf is not None and not isinstance(raf, bool):  # an FSDP1 strategy name or number
+            explicit = keys["reshard_after_forward"]
+        _apply_parallelism(parser, values, explicit, parallelism, launch.get("num_processes"))
     version = values.pop("version", None)
     if trainer:
         _apply_trainer_defaults(values, version)
@@ -991,8 +1120,8 @@ def from_config(
       the model; SIZE_BASED_WRAP: ``fshard.by_size(min_num_params)``; NO_WRAP: root only) picks
       the units, and ``fshard.auto_shard`` shards them bottom-up, then the root, with the mesh
       and ``reshard_after_forward`` of ``fshard.strategy_kwargs(sharding_strategy)`` (HYBRID:
-      one replica per machine), ``mp_policy`` from ``mixed_precision`` and ``CPUOffload()`` if
-      ``offload_params``;
+      ``parallelism_config_dp_replicate_size`` replicas, else one per machine), ``mp_policy``
+      from ``mixed_precision`` and ``CPUOffload()`` if ``offload_params``;
     - with ``activation_checkpointing``, the forward of each block the wrap policy selected is
       recomputed in backward (non-reentrant ``torch.utils.checkpoint``; the module keeps its
       class and FQNs, unlike accelerate's ``checkpoint_wrapper``);
@@ -1089,19 +1218,35 @@ def _checkpointed_blocks(model: nn.Module, cfg: FSDPConfig, policy: Policy | Non
 
 
 def _replicate_size(cfg: FSDPConfig) -> int | None:
-    """Replicas for the hybrid strategies: one per machine.
+    """Replicas for the hybrid strategies: ``parallelism_config_dp_replicate_size``, else one
+    per machine.
 
     Under torchrun (``fshard launch``), ``strategy_kwargs`` derives the machine count from
     ``LOCAL_WORLD_SIZE``, which is right even when ``--nnodes`` overrode the file; otherwise the
     file's ``num_machines`` says, and must divide the world size (checked here, to blame the
     key the user wrote rather than ``strategy_kwargs``' ``replicate_size``).
     """
-    if cfg.sharding_strategy not in _HYBRID or "LOCAL_WORLD_SIZE" in os.environ:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if cfg.shard_size is not None and world is not None:
+        replicas = cfg.replicate_size or 1
+        if replicas * cfg.shard_size != world:
+            sizes = f"{_PARALLELISM_PREFIX}dp_shard_size {cfg.shard_size}"
+            if cfg.replicate_size is not None:
+                sizes = f"{_PARALLELISM_PREFIX}dp_replicate_size {replicas} x {sizes}"
+            raise ValueError(
+                f"{_describe_source(cfg)}: parallelism_config lays out {replicas * cfg.shard_size} "
+                f"processes ({sizes}), but this job runs {world}; make the sizes multiply to the "
+                "number of processes (num_processes), or launch as many"
+            )
+    if cfg.sharding_strategy not in _HYBRID:
+        return None
+    if cfg.replicate_size is not None:
+        return cfg.replicate_size
+    if "LOCAL_WORLD_SIZE" in os.environ:
         return None
     machines = cfg.launch.num_machines
-    if machines is None or not (dist.is_available() and dist.is_initialized()):
+    if machines is None or world is None:
         return machines
-    world = dist.get_world_size()
     if world % machines:
         raise ValueError(
             f"{_describe_source(cfg)}: {cfg.sharding_strategy.name} keeps one replica per machine, "

@@ -487,3 +487,42 @@ def test_hybrid_with_num_machines_not_dividing_the_world_names_num_machines(mach
                               f"but num_machines: {machines} does not divide the 2 processes this job runs; "
                               "set num_machines to the number of machines")  # fmt: skip
     assert "replicate_size" not in message
+
+
+def _parallelism(replicas: int, shards: int, **block: Any) -> dict[str, Any]:
+    """An accelerate FSDP2 file whose ranks are laid out by parallelism_config (HSDP)."""
+    return {
+        "distributed_type": "FSDP",
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": replicas,
+            "parallelism_config_dp_shard_size": shards,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 1,
+        },
+        "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "BertLayer", **block},
+    }
+
+
+@pytest.mark.parametrize(
+    ("replicas", "shards", "reshard", "strategy"),
+    [(2, 1, True, "HYBRID_SHARD"), (2, 1, False, "HYBRID_SHARD_ZERO2"), (1, 2, True, "FULL_SHARD")],
+)
+def test_parallelism_config_sets_the_mesh_and_trains_like_ddp(replicas: int, shards: int, reshard: bool, strategy: str) -> None:
+    # dp_replicate_size 2 replicates over the 2 ranks (a (2, 1) mesh); it was ignored, with a
+    # warning that called it no FSDP option, and the ranks sharded instead.
+    config = _parallelism(replicas, shards, fsdp_reshard_after_forward=reshard)
+    check_equivalent(config, Expect(LAYERS, strategy=strategy))
+
+
+def test_parallelism_config_that_does_not_fit_the_world_names_its_sizes() -> None:
+    from fshard.testing import RanksFailed
+
+    with pytest.raises(RanksFailed) as info:
+        get_pool(WORLD).run(_apply_config, _parallelism(2, 2), timeout=60)
+    assert sorted(info.value.errors) == [0, 1]
+    assert all(isinstance(exc, ValueError) for exc in info.value.errors.values())
+    assert str(info.value.errors[0]) == (
+        "FSDP config (dict): parallelism_config lays out 4 processes (parallelism_config_dp_replicate_size 2 x "
+        "parallelism_config_dp_shard_size 2), but this job runs 2; make the sizes multiply to the number of "
+        "processes (num_processes), or launch as many"
+    )  # fmt: skip

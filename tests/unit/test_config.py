@@ -549,6 +549,9 @@ def test_reshard_after_forward_zero_says_to_write_false() -> None:
         ({"transformer_layer_cls_to_wrap": "BertLayer"}, TypeError, "must be a tuple of class names, got 'BertLayer'"),
         ({"min_num_params": -1}, ValueError, "FSDPConfig.min_num_params must be an int >= 0, got -1"),
         ({"backward_prefetch": "SOON"}, ValueError, "FSDPConfig.backward_prefetch must be one of BACKWARD_PRE"),
+        ({"replicate_size": 0}, ValueError, "FSDPConfig.replicate_size must be None or an int >= 1, got 0"),
+        ({"replicate_size": 2}, ValueError, "FSDPConfig.replicate_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not FULL_SHARD"),
+        ({"shard_size": "2"}, ValueError, "FSDPConfig.shard_size must be None or an int >= 1, got '2'"),
     ],
 )  # fmt: skip
 def test_fsdp_config_validates_direct_construction(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -694,3 +697,74 @@ def test_transformers_fsdp_config_gets_the_trainers_fsdp1_defaults(tmp_path: Pat
     # An accelerate file is not a Trainer config: accelerate's defaults.
     accelerate_v1 = fshard.load_config({"fsdp_version": 1, "fsdp_transformer_layer_cls_to_wrap": "Layer"})
     assert not accelerate_v1.syncs_module_states and accelerate_v1.backward_prefetch is None
+
+
+# ------------------------------------------------------------ accelerate's parallelism_config
+
+
+def _with_parallelism(sizes: dict[str, Any], num_processes: int | None = 4, **block: Any) -> dict[str, Any]:
+    """A whole FSDP2 accelerate file with a parallelism_config section (keys without their prefix)."""
+    data: dict[str, Any] = {
+        "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_version": 2, **block},
+        "parallelism_config": {f"parallelism_config_{k}": v for k, v in sizes.items()},
+    }
+    if num_processes is not None:
+        data["num_processes"] = num_processes
+    return data
+
+
+@pytest.mark.parametrize(
+    ("block", "strategy"),
+    [({}, "HYBRID_SHARD"), ({"fsdp_reshard_after_forward": True}, "HYBRID_SHARD"),
+     ({"fsdp_reshard_after_forward": False}, "HYBRID_SHARD_ZERO2"),
+     ({"fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}, "HYBRID_SHARD_ZERO2")],
+)  # fmt: skip
+def test_parallelism_config_dp_replicate_size_is_hybrid_sharding(block: dict[str, Any], strategy: str) -> None:
+    # accelerate's HSDP (examples/torch_native_parallelism): dp_replicate_size replicas of
+    # dp_shard_size-way sharding.
+    sizes = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "cp_size": 1, "cp_comm_strategy": "allgather"}
+    cfg = fshard.load_config(_with_parallelism(sizes, **block))
+    assert cfg.sharding_strategy.name == strategy
+    assert (cfg.replicate_size, cfg.shard_size) == (2, 2)
+    # dp_shard_size 1 (accelerate's default): replicas of whole parameters.
+    cfg = fshard.load_config(_with_parallelism({"dp_replicate_size": 2}, num_processes=2))
+    assert cfg.sharding_strategy.name == "HYBRID_SHARD" and (cfg.replicate_size, cfg.shard_size) == (2, 1)
+
+
+def test_parallelism_config_without_replication_is_plain_sharding() -> None:
+    cfg = fshard.load_config(_with_parallelism({"dp_replicate_size": 1, "dp_shard_size": 4}))
+    assert cfg.sharding_strategy.name == "FULL_SHARD" and (cfg.replicate_size, cfg.shard_size) == (None, 4)
+    cfg = fshard.load_config(_with_parallelism({"dp_shard_size": 4}, fsdp_reshard_after_forward=False))
+    assert cfg.sharding_strategy.name == "SHARD_GRAD_OP"
+    # All sizes 1 asks for nothing: the other keys decide.
+    cfg = fshard.load_config(_with_parallelism(dict.fromkeys(("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"), 1)))
+    assert cfg.sharding_strategy.name == "FULL_SHARD" and (cfg.replicate_size, cfg.shard_size) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, "parallelism_config_tp_size: 2 asks for tensor parallelism, which fshard does not do (it shards data parallel only); set parallelism_config_tp_size: 1 and give those ranks to parallelism_config_dp_shard_size"),
+        ({"dp_shard_size": 1, "cp_size": 4}, "parallelism_config_cp_size: 4 asks for context parallelism, which fshard does not do"),
+        ({"dp_shard_size": 2, "sp_size": 2}, "parallelism_config_sp_size: 2 asks for sequence parallelism"),
+        ({"dp_replicate_size": 0}, "parallelism_config_dp_replicate_size: 0 is not valid; expected an integer >= 1"),
+        ({"dp_shard_size": "many"}, "parallelism_config_dp_shard_size: 'many' is not valid; expected an integer >= 1"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 4}, "parallelism_config: parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 4 is 8 processes, but num_processes is 4; make the product equal num_processes"),
+        ({"dp_replicas": 2}, "unknown key 'parallelism_config_dp_replicas' in parallelism_config (did you mean 'parallelism_config_dp_replicate_size'?); valid keys: parallelism_config_cp_backend"),
+    ],
+    ids=["tp", "cp", "sp", "zero", "not-a-number", "product", "unknown-key"],
+)  # fmt: skip
+def test_parallelism_config_errors_name_the_key(sizes: dict[str, Any], message: str) -> None:
+    assert message in _error(_with_parallelism(sizes))
+
+
+def test_parallelism_config_conflicting_with_the_sharding_strategy_names_both() -> None:
+    message = _error(_with_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2}, fsdp_sharding_strategy="FULL_SHARD"))
+    assert ("fsdp_sharding_strategy is FULL_SHARD, but parallelism_config_dp_replicate_size: 2 asks for 2 replicas "
+            "of 2-way sharding (hybrid sharding); set fsdp_sharding_strategy to HYBRID_SHARD or HYBRID_SHARD_ZERO2 "
+            "(or leave it out), or parallelism_config_dp_replicate_size: 1") in message  # fmt: skip
+    message = _error(_with_parallelism({"dp_shard_size": 4}, fsdp_reshard_after_forward="HYBRID_SHARD"))
+    assert ("fsdp_reshard_after_forward is HYBRID_SHARD, but parallelism_config_dp_replicate_size: 1 with "
+            "parallelism_config_dp_shard_size: 4 asks for plain sharding over 4 ranks") in message  # fmt: skip
+    assert "parallelism_config: [2] is not valid; expected a mapping" in _error({"distributed_type": "FSDP", "parallelism_config": [2]})
