@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--master-addr", "--master_addr", "--main_process_ip", metavar="HOST",
-        help="address of node 0 / the rendezvous (default: main_process_ip, else 127.0.0.1 "
-        "on one machine; required on several)",
+        help="address of node 0 / the rendezvous (default: 127.0.0.1 on one machine; on "
+        "several, main_process_ip, which is then required)",
     )
     launch.add_argument(
         "--master-port", "--master_port", "--main_process_port", type=int, metavar="PORT",
@@ -268,7 +268,8 @@ def plan_launch(
 
     Flags win over the config file, which wins over the defaults (one machine, one process,
     127.0.0.1, a free port). Several machines need an address for machine 0 (a flag or
-    ``main_process_ip``). Raises ``LaunchError`` naming the flag or key for an impossible
+    ``main_process_ip``); on one machine the file's ``main_process_ip`` is not used (as in
+    ``accelerate launch``), only its ``main_process_port``. Raises ``LaunchError`` naming the flag or key for an impossible
     layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
     process's environment; left over from an earlier launch or an export) is removed for the
     script, so that ``fshard.from_config(model)`` never applies a file this launch was not given.
@@ -314,7 +315,10 @@ def plan_launch(
             f"{given} must be in 0..{nnodes - 1} for {nnodes} machine(s), got {node_rank}; "
             "pass --node-rank (this machine's rank) or --nnodes to match"
         )
-    addr = args.master_addr or layout.main_process_ip
+    # The file's main_process_ip only matters on several machines, as in accelerate launch
+    # (prepare_multi_gpu_env): a file written for a cluster and run with num_machines: 1 or
+    # --nnodes 1 must not send the rendezvous to a machine that is not part of the job.
+    addr = args.master_addr or (layout.main_process_ip if nnodes > 1 else None)
     if not addr:
         if nnodes > 1:
             # 127.0.0.1 would have every machine wait on its own loopback until the rendezvous

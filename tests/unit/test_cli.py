@@ -185,6 +185,33 @@ def test_num_processes_is_the_total_over_machines(tmp_path: Path) -> None:
     assert flags["--rdzv-endpoint"] == "10.0.0.1:1234" and "--node-rank" not in flags
 
 
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_one_machine_ignores_the_files_main_process_ip(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # accelerate launch uses main_process_ip only when num_machines > 1: a cluster file run on
+    # one machine (num_machines: 1, or --nnodes 1 over a file with 2) keeps the rendezvous on
+    # this machine, at the file's port.
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump(sample("guide", num_machines=1, main_process_ip="10.1.2.3",
+                                         main_process_port=29555, rdzv_backend=backend)))  # fmt: skip
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump(sample("guide", num_processes=4, num_machines=2, main_process_ip="10.1.2.3",
+                                         main_process_port=29555, rdzv_backend=backend)))  # fmt: skip
+    for argv in (["--config_file", str(one)], ["--config_file", str(two), "--nnodes", "1", "--nproc", "2"]):
+        plan = _plan([*argv, "t.py"])
+        assert "10.1.2.3" not in plan.command(), argv
+        flags = _flags(plan.torchrun_args)
+        assert flags["--nnodes"] == "1" and flags["--local-addr"] == "127.0.0.1"
+        if backend == "static":
+            assert (flags["--master-addr"], flags["--master-port"]) == ("127.0.0.1", "29555")
+        else:
+            assert flags["--rdzv-endpoint"] == "127.0.0.1:29555"
+        assert main(["launch", "--dry-run", *argv, "t.py"]) == 0
+        assert "10.1.2.3" not in capsys.readouterr().out
+    # On two machines it is the address of machine 0; an explicit flag is always used.
+    assert "10.1.2.3" in _plan(["--config_file", str(two), "t.py"]).command()
+    assert "10.9.9.9" in _plan(["--config_file", str(one), "--master-addr", "10.9.9.9", "t.py"]).command()
+
+
 def test_several_machines_without_a_port_use_29500() -> None:
     flags = _flags(_plan(["--nnodes", "2", "--master-addr", "10.1.1.1", "t.py"], port=1).torchrun_args)
     assert flags["--rdzv-endpoint"] == "10.1.1.1:29500"
