@@ -5,7 +5,8 @@ arrive with an accelerate config file: it reads the process layout from the file
 (``num_processes``, ``num_machines``, ``machine_rank``, ``main_process_ip``/``main_process_port``,
 ``rdzv_backend``), lets flags override it, runs torchrun's agent in this process, hands the
 config file to the script through ``$FSHARD_CONFIG_FILE`` (so ``fshard.from_config(model)``
-finds it) and exits with the script's own exit status.
+finds it) and exits with the script's own exit status (128 + the signal number when a signal
+stopped the launch, once the workers are stopped).
 
 The command that will run is built by a pure function (``plan_launch``), tested without
 starting anything; ``--dry-run`` prints it.
@@ -409,6 +410,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         return 0
     print(f"fshard launch: {plan.command()}", file=sys.stderr, flush=True)
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args as torchrun_parse_args
     from torch.distributed.run import run as torchrun_run
@@ -423,6 +425,11 @@ def _run_launch(args: argparse.Namespace) -> int:
         rank, exitcode = root_failure({r: (f.exitcode, f.timestamp) for r, f in exc.failures.items()})
         print(f"fshard launch: {args.script} failed on rank {rank} with exit code {exitcode}", file=sys.stderr)
         return _exit_status(exitcode)
+    except SignalException as exc:
+        # SIGTERM / SIGINT / SIGHUP / SIGQUIT while the workers ran: torchrun's agent has passed
+        # the signal on to them and waited for them to stop before raising this. Exit as a
+        # process ended by that signal reports itself to the shell, without a traceback.
+        return 128 + int(exc.sigval)
     except KeyboardInterrupt:
         return 130
     return 0

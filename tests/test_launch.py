@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,46 @@ def test_a_stale_config_file_variable_does_not_reach_the_script(tmp_path: Path) 
     assert result.returncode == 0, result.stderr[-4000:]
     assert "CFG None" in result.stdout
     assert "fshard launch: env -u FSHARD_CONFIG_FILE python -m torch.distributed.run" in result.stderr
+
+
+# Every rank writes its pid, then waits to be stopped.
+WAIT = textwrap.dedent(
+    """
+    import os, sys, time
+    with open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_the_workers_and_exits_143_without_a_traceback(tmp_path: Path) -> None:
+    # A job scheduler's SIGTERM: the workers are stopped, then fshard launch exits as a
+    # process ended by SIGTERM reports itself (128 + 15), with no SignalException traceback.
+    script = _write(tmp_path, "wait.py", WAIT)
+    launcher = subprocess.Popen(
+        [*_fshard(), "launch", "--nproc", "2", str(script), str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(tmp_path.glob("pid*"))) < 2 or any(not f.read_text() for f in tmp_path.glob("pid*")):
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in sorted(tmp_path.glob("pid*"))]
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr[-4000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-4000:]
+    assert not [pid for pid in pids if _alive(pid)], "workers outlived the launcher"
