@@ -120,17 +120,22 @@ def _reshard_for_load(model: nn.Module, where: str) -> list[ParamGroup]:
 
 
 def _free_for_load(groups: list[ParamGroup], where: str) -> list[ParamGroup]:
-    """Reshard ``groups`` so that loads reach the shards; returns those that were gathered."""
+    """Reshard ``groups`` so that loads reach the shards; returns those the modules showed
+    gathered (``fshard.unshard``), to gather again. Units only kept for a backward (hidden) or
+    prefetched by a forward that had none are freed for good: gathered again, the modules
+    would show full parameters between steps."""
     busy = [g for g in groups if g.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(
             f"{where}: unit {busy[0].label} is in {busy[0].training_state.value}; load state "
             "dicts between training steps, not during forward or backward"
         )
-    unsharded = [g for g in groups if g.sharded_state is not ShardedState.SHARDED]
-    for group in unsharded:
+    shown = [
+        g for g in groups if g.sharded_state is ShardedState.UNSHARDED and g.unsharded_registered
+    ]
+    for group in groups:
         group.reshard()
-    return unsharded
+    return shown
 
 
 def _local(slot: ParamSlot) -> torch.Tensor:

@@ -455,3 +455,32 @@ def _optim_from_rank0_task(mesh_shape, source):
 @pytest.mark.parametrize(("mesh_shape", "source"), [((2,), "rank0_only"), ((2, 2), "rank0_only"), ((2,), "unsharded")], ids=str)
 def test_load_optim_state_dict_broadcast_from_rank0(mesh_shape, source):
     assert all(get_pool(math.prod(mesh_shape)).run(_optim_from_rank0_task, mesh_shape, source))
+
+
+def _load_after_a_forward_without_backward_task(how: str) -> bool:
+    """A forward with grad and no backward (an evaluation outside ``torch.no_grad()``) keeps
+    units gathered, hidden, for the backward; a load (restoring the best weights) frees them
+    for good: the modules show the shards after it, and an optimizer built then steps them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+    fshard.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    best = fshard.full_state_dict(model, rank0_only=False)
+    model(torch.randn(3, 4)).sum()  # kept for a backward that never comes
+    assert fshard.memory_stats().gathered_bytes > 0
+    if how == "fshard":
+        fshard.load_state_dict(model, best)
+    else:
+        model.load_state_dict(best)
+    assert all(fshard.is_sharded(p) for p in model.parameters())
+    assert fshard.memory_stats().gathered_bytes == 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return True
+
+
+@pytest.mark.parametrize("how", ["fshard", "module"])
+def test_a_load_after_a_forward_without_backward_leaves_the_shards_in_the_modules(how):
+    assert all(get_pool(2).run(_load_after_a_forward_without_backward_task, how))
