@@ -9,7 +9,7 @@ pure function of the model (``select_modules``), so it is tested without any pro
 Policies are judged in post-order, so when a module is judged every selected module below it is
 already known. ``by_class`` looks at the module's type only. ``by_size`` counts the module's
 *unowned* parameters: those not taken by a selected descendant, not ignored and not already
-sharded (each shared parameter counted once), exactly like FSDP1's size-based auto-wrap. A plain
+sharded (each shared parameter counted once), the rule of FSDP1's size-based auto-wrap. A plain
 callable gets the module and returns a bool. A selected module that would own no parameter is
 skipped (it would be an empty unit); a selected ``nn.ModuleList`` / ``nn.ModuleDict`` is an
 error, because containers have no forward and their unit could never gather.
@@ -166,10 +166,11 @@ class BySize(WrapPolicy):
     """Select modules whose unowned parameters number at least ``min_num_params`` (SIZE_BASED_WRAP).
 
     "Unowned" means not already taken by a selected module below (see [Note: what a policy
-    sees]), so units come out at roughly ``min_num_params`` each, bottom-up, like FSDP1's
-    ``size_based_auto_wrap_policy``. ``nn.ModuleList``/``nn.ModuleDict`` are never selected, and
-    an ``nn.MultiheadAttention`` stays with its parent, whole, root or not (FSDP1 treats it the
-    same way).
+    sees]), so units come out at roughly ``min_num_params`` each, bottom-up, by the rule of
+    FSDP1's ``size_based_auto_wrap_policy``. ``nn.ModuleList``/``nn.ModuleDict`` are never
+    selected, and an ``nn.MultiheadAttention`` stays with its parent, whole, root or not (FSDP1
+    treats it the same way). A parameter shared by several modules counts once, where FSDP1
+    counts it in every module that holds it, so with tied weights the units can differ.
 
     Example:
         >>> import fshard, torch
@@ -214,7 +215,8 @@ def by_class(*classes: type[nn.Module] | str) -> ByClass:
 def by_size(min_num_params: int) -> BySize:
     """A policy selecting submodules with at least ``min_num_params`` unowned parameters.
 
-    The SIZE_BASED_WRAP policy (FSDP1's ``size_based_auto_wrap_policy``); see ``BySize``.
+    The SIZE_BASED_WRAP policy (the rule of FSDP1's ``size_based_auto_wrap_policy``; accelerate's
+    ``fsdp_version: 2`` counts differently); see ``BySize``.
 
     Example:
         >>> import fshard, torch

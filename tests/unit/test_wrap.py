@@ -261,6 +261,14 @@ def test_by_size_matches_fsdp1_auto_wrap(spec: tuple[Any, ...], min_num_params: 
     assert select_modules(root, fshard.by_size(min_num_params)) == _fsdp1_selection(root, min_num_params)
 
 
+def test_by_size_counts_tied_parameters_once_where_fsdp1_counts_each_user() -> None:
+    # embed and head share one 50x4 weight. FSDP1 counts it in each: both reach 200 and are
+    # recorded; fshard counts it once, so head (all of it owned by embed's unit) is no unit.
+    model = TinyTransformer(TransformerSpec(vocab=50, dim=4, layers=1, tie_embeddings=True))
+    assert select_modules(model, fshard.by_size(200)) == ["embed"]
+    assert _fsdp1_selection(model, 200) == ["embed", "head"]
+
+
 # ----------------------------------------------------------------------- plain callables
 
 
