@@ -18,7 +18,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     Each rank only sees its own gradient shards, so after unscaling the found-inf flag is
     all-reduced (MAX) over ``process_group`` (default: the whole world) before the step decides.
-    Use it exactly like ``GradScaler``.
+    Use it exactly like ``GradScaler``. Unlike ``GradScaler`` it unscales fp16 gradients too (a
+    model in fp16 without ``MixedPrecision``), as torch's FSDP ``ShardedGradScaler`` does.
 
     Example:
         >>> scaler = fshard.ShardedGradScaler()           # doctest: +SKIP
@@ -58,6 +59,20 @@ class ShardedGradScaler(torch.amp.GradScaler):
         super().unscale_(optimizer)  # raises if this optimizer was already unscaled this step
         if dist.is_available() and dist.is_initialized():
             self._sync_found_inf(optimizer)
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # fp16 gradients too: a model in fp16 without MixedPrecision has fp16 shards, which
+        # torch's GradScaler refuses to unscale in place (as torch's FSDP scaler, this one does).
+        unscaled: dict[torch.device, torch.Tensor] = super()._unscale_grads_(
+            optimizer, inv_scale, found_inf, True
+        )
+        return unscaled
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inf/nan check of ``step`` for optimizers that unscale inside their own step

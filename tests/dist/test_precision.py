@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 
 import pytest
@@ -270,3 +269,35 @@ def test_a_checkpointed_unit_recomputes_on_inputs_cast_as_in_its_forward(use_ree
     """The recompute in backward casts the unit's fp32 inputs to its param_dtype as its forward
     did (it ran on the fp32 inputs: a dtype error against the bf16 weights)."""
     assert all(get_pool(2).run(_checkpointed_mp_worker, use_reentrant))
+
+
+def _fp16_params_scaler_worker() -> bool:
+    """A model in fp16 without MixedPrecision: the gradients are fp16 shards, unscaled in
+    place (torch's GradScaler refuses fp16 gradients; its FSDP scaler takes them, as this one)."""
+    mesh = mesh_for((dist.get_world_size(),))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank())).half()
+    params = []
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+        fshard.fully_shard(model[0], mesh=mesh)
+        fshard.fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(x).float().pow(2).mean()
+        if scaled:  # a power of two: unscaling is exact in fp16
+            scaler = fshard.ShardedGradScaler(init_scale=2.0**10)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert scaler.get_scale() == 2.0**10
+        else:
+            loss.backward()
+            opt.step()
+        params.append([p.to_local().clone() for p in model.parameters()])
+    for a, b in zip(*params, strict=True):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
+    return True
+
+
+def test_sharded_grad_scaler_takes_fp16_parameters():
+    assert all(get_pool(2).run(_fp16_params_scaler_worker))
