@@ -357,6 +357,33 @@ def _same_layout(value: DTensor, slot: ParamSlot) -> bool:
     )
 
 
+def _foreign_shard(what: str, value: torch.Tensor, slot: ParamSlot) -> str | None:
+    """Why a DTensor laid out like ``slot`` cannot be loaded here: it holds another rank's
+    shard (``None`` if it is this rank's, or not such a DTensor).
+
+    A DTensor keeps the mesh coordinate of the rank that made it, also through ``torch.save``
+    and ``torch.load`` on another rank: a sharded state dict saved by rank 0 and loaded on every
+    rank would give each rank rank 0's rows, silently.
+    """
+    if not isinstance(value, DTensor) or not _same_layout(value, slot):
+        return None
+    theirs = value.device_mesh.get_coordinate()
+    mine = slot.mesh_info.mesh.get_coordinate()
+    if theirs is None or mine is None:
+        return None
+    sharded = [i for i, p in enumerate(value.placements) if p.is_shard()]
+    if all(theirs[i] == mine[i] for i in sharded):
+        return None
+    return (
+        f"{what} is a DTensor holding the shard of mesh coordinate {tuple(theirs)}, not this "
+        f"rank's {tuple(mine)} (rank {dist.get_rank()}): a sharded state dict saved by one rank "
+        "(torch.save of fshard.state_dict, model.state_dict() or fshard.optim_state_dict) holds "
+        "that rank's rows only. Save and load each rank's own file, or use "
+        "torch.distributed.checkpoint / fshard.checkpoint, or a full state dict "
+        "(fshard.full_state_dict, fshard.optim_state_dict(..., full=True))"
+    )
+
+
 def _shard_of(value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """This rank's shard of a full tensor or of a DTensor from any mesh.
 
@@ -503,7 +530,11 @@ def on_module_load_state_dict(
     _free_for_load(list(groups.values()), where)  # the units gather again on their next use
     for key, slot in keys:
         value = state_dict[key]
-        if isinstance(value, DTensor):
+        foreign = _foreign_shard(f"key {key!r}", value, slot)
+        if foreign is not None:
+            error_msgs.append(foreign)
+            state_dict[key] = _local(slot)  # copied onto itself: nothing changes
+        elif isinstance(value, DTensor):
             state_dict[key] = _shard_of(value, slot)
         elif isinstance(value, torch.Tensor) and value.shape == slot.layout.full_shape:
             state_dict[key] = _local_rows(value, slot)
@@ -616,6 +647,9 @@ def _check_keys(
                 continue
             want = e.slot.layout.full_shape
             got = _global_shape(value)
+            foreign = _foreign_shard(f"key {e.key!r}", value, e.slot)
+            if foreign is not None:
+                problems.add(foreign)
             if got != want:
                 hint = ""
                 if not isinstance(value, DTensor) and got == e.slot.layout.local_shape:
@@ -1451,6 +1485,10 @@ def _check_state_shapes(
         want = slot.layout.full_shape
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):
+                continue
+            foreign = _foreign_shard(f"state[{name!r}][{key!r}]", value, slot)
+            if foreign is not None:
+                problems.add(foreign)
                 continue
             if isinstance(value, DTensor):
                 bad = value.shape != want

@@ -484,3 +484,58 @@ def _load_after_a_forward_without_backward_task(how: str) -> bool:
 @pytest.mark.parametrize("how", ["fshard", "module"])
 def test_a_load_after_a_forward_without_backward_leaves_the_shards_in_the_modules(how):
     assert all(get_pool(2).run(_load_after_a_forward_without_backward_task, how))
+
+
+def _rank0_file_everywhere_task(path: str, mesh_shape: tuple[int, ...]) -> dict[str, str | None]:
+    """Rank 0 saves its sharded state dicts with ``torch.save``; every rank loads the file."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    fshard.fully_shard(model, mesh=mesh_for(mesh_shape))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        torch.save(
+            {"model": model.state_dict(), "fshard": fshard.state_dict(model), "optim": fshard.optim_state_dict(model, opt)},
+            path,
+        )
+    else:
+        fshard.optim_state_dict(model, opt)  # (collective)
+    dist.barrier()
+    saved = torch.load(path, weights_only=False)
+    errors: dict[str, str | None] = {}
+    try:
+        model.load_state_dict(saved["model"])  # local: raises where it is wrong only
+        errors["module"] = None
+    except RuntimeError as exc:
+        errors["module"] = str(exc)
+    for name, load in (
+        ("fshard", lambda: fshard.load_state_dict(model, saved["fshard"])),
+        ("optim", lambda: fshard.load_optim_state_dict(model, opt, saved["optim"])),
+    ):
+        try:
+            load()
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_another_ranks_sharded_state_dict_is_refused(tmp_path, mesh_shape):
+    """A DTensor keeps the mesh coordinate of the rank that made it: loading rank 0's sharded
+    state dict on every rank (the DDP habit) gave each rank rank 0's rows, silently. Ranks
+    whose shard differs refuse it (``fshard.load_state_dict`` / ``load_optim_state_dict`` on
+    every rank, as they agree on errors); a rank of another replica holding the same rows on a
+    2D mesh takes it."""
+    world = math.prod(mesh_shape)
+    results = get_pool(world).run(_rank0_file_everywhere_task, str(tmp_path / "rank0.pt"), mesh_shape)
+    shard_size = mesh_shape[-1]
+    for rank, errors in enumerate(results):
+        foreign = rank % shard_size != 0
+        if foreign:
+            assert "holding the shard of mesh coordinate" in errors["module"], errors
+        else:
+            assert errors["module"] is None, errors
+        for name in ("fshard", "optim"):  # agreed: refused on every rank
+            assert errors[name] is not None and "holding the shard of mesh coordinate" in errors[name], (rank, errors)
