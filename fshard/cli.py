@@ -457,6 +457,23 @@ def _for_safetensors(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _unstorable_in_safetensors(tensors: dict[str, Any]) -> str:
+    """The dtypes safetensors has no code for (complex128, complex32), with their keys, or ''."""
+    import safetensors.torch
+
+    known = getattr(safetensors.torch, "_SIZE", None)  # its dtype table (not public)
+    if not isinstance(known, dict):
+        return ""  # (then save_file's own error is reported)
+    by_dtype: dict[str, list[str]] = {}
+    for key, tensor in tensors.items():
+        if tensor.dtype not in known:
+            by_dtype.setdefault(str(tensor.dtype).removeprefix("torch."), []).append(key)
+    return "; ".join(
+        f"{dtype} ({', '.join(map(repr, keys[:3]))}{', ...' if len(keys) > 3 else ''})"
+        for dtype, keys in by_dtype.items()
+    )
+
+
 def _newest_inside_hint(path: str) -> str:
     """For a directory that holds checkpoints rather than being one (a run's --checkpoint-dir,
     with step-000003/, step-000006/ inside): a hint naming the newest complete one, else ''."""
@@ -501,11 +518,18 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         _error(f"consolidate: {exc}{_newest_inside_hint(args.checkpoint)}")
         return 2
     tensors = _for_safetensors(full)
+    unstorable = _unstorable_in_safetensors(tensors)
+    if unstorable:
+        _error(
+            f"consolidate: safetensors cannot store {unstorable}; consolidate in Python instead: "
+            "torch.save(fshard.checkpoint.consolidate(CKPT), 'model.pt')"
+        )
+        return 2
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(output), metadata={"format": "pt"})
-    except (OSError, SafetensorError) as exc:
-        _error(f"consolidate: cannot write {str(output)!r}: {exc}")
+    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        _error(f"consolidate: cannot write {str(output)!r}: {type(exc).__name__}: {exc}")
         return 2
     _chmod_like_a_new_file(output)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import fshard
 import fshard.checkpoint as ckpt
-from fshard.testing import RanksFailed, get_pool
+from fshard.testing import RanksFailed, get_pool, mesh_for
 from fshard.testing.models import TransformerSpec
 from tests.dist import _sd_common as C
 
@@ -172,6 +173,26 @@ def test_fshard_consolidate_output_problems_are_one_line_errors(saved_2x2, tmp_p
     assert main(["consolidate", path, str(blocker / "model.safetensors")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fshard consolidate: cannot write") and "Traceback" not in err
+
+
+def _complex_save_task(path):
+    model = nn.Linear(3, 2, bias=False).to(torch.complex128)
+    model.register_parameter("c64", nn.Parameter(torch.zeros(2, dtype=torch.complex64)))
+    fshard.fully_shard(model, mesh=mesh_for((dist.get_world_size(),)))
+    ckpt.save(path, model)
+
+
+def test_fshard_consolidate_names_dtypes_safetensors_cannot_store(tmp_path, capsys):
+    """complex128 (and complex32) have no safetensors code: a one-line error naming the dtype
+    and key and saying what to do, not safetensors' KeyError traceback; complex64 is fine."""
+    from fshard.cli import main
+
+    get_pool(1).run(_complex_save_task, str(tmp_path / "ckpt"))
+    out = tmp_path / "model.safetensors"
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "safetensors cannot store complex128 ('weight')" in err and "torch.save(" in err, err
+    assert "Traceback" not in err and "complex64" not in err and not out.exists()
 
 
 # ----------------------------------------------------------------------------- atomicity
