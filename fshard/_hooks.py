@@ -1340,6 +1340,7 @@ def _lazy_init(group: ParamGroup) -> None:
     for g in groups:
         g.fqn = names[g.module]
     _check_meshes(group, groups)
+    _check_units_are_called(module, groups)
     _place_shared_params(module, groups)
     index_param_owners(module)  # modules attached since fully_shard (a head tied to a unit's)
     param_names = {id(p): name for name, p in module.named_parameters()}
@@ -1370,6 +1371,33 @@ def _check_meshes(root: ParamGroup, groups: list[ParamGroup]) -> None:
         hint="All units of one model must shard over the same ranks and device (a 1D mesh and a "
         "2D mesh over the same ranks may be mixed); pass the same mesh to every fully_shard call.",
     )
+
+
+# Modules whose forward passes their children's parameters to a function instead of calling
+# the children: a unit made of such a child is never gathered before its parameters are read.
+READS_CHILDREN: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+def _check_units_are_called(module: nn.Module, groups: list[ParamGroup]) -> None:
+    """Refuse a unit inside an ``nn.MultiheadAttention`` (``fully_shard(attn.out_proj)``):
+    the attention reads ``out_proj.weight`` without calling ``out_proj``, so the unit's hooks
+    never run and the attention would compute with this rank's shard."""
+    problems = ProblemList("fully_shard")
+    for g in groups:
+        if not g.fqn:
+            continue
+        parts = g.fqn.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            outer = module.get_submodule(".".join(parts[:depth]))
+            if isinstance(outer, READS_CHILDREN):
+                problems.add(
+                    f"unit {g.label} is inside {type(outer).__name__} "
+                    f"{'.'.join(parts[:depth])!r}, whose forward reads its submodules' "
+                    "parameters without calling them, so the unit would never be gathered; "
+                    f"call fully_shard on {'.'.join(parts[:depth])!r} (or a module above it) instead"
+                )
+                break
+    problems.raise_if_any(ValueError)
 
 
 def _contains(outer: str, inner: str) -> bool:

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fshard._api import _CONTAINERS, fully_shard, ignored_param_list
 from fshard._errors import ProblemList
+from fshard._hooks import READS_CHILDREN
 from fshard._sharded import is_sharded
 
 __all__ = [
@@ -60,9 +61,10 @@ M = TypeVar("M", bound=nn.Module)
 
 # Modules whose forward reads their children's parameters directly (without calling the
 # children), so a unit below them would never be gathered: no policy looks inside them (see
-# [Note: modules that read their children's parameters]). FSDP1's size policy does not wrap
-# them either, so by_size never selects one.
-_OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+# [Note: modules that read their children's parameters]; a unit placed there by hand is
+# refused at the root's first forward). FSDP1's size policy does not wrap them either, so
+# by_size never selects one.
+_OPAQUE = READS_CHILDREN
 
 
 class WrapPolicy(abc.ABC):

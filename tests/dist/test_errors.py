@@ -283,6 +283,35 @@ def test_parameters_left_on_meta_device():
     _all_ranks_raise(2, _meta_left, match=lambda m: "meta device" in m and "'0.weight'" in m and "materialize" in m)
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.attn(x, x, x)[0])
+
+
+def _unit_inside_attention():
+    model = _Attention()
+    fshard.fully_shard(model.attn.out_proj, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(3, 2, 8))
+
+
+def test_a_unit_inside_multihead_attention_is_refused():
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``: a unit
+    there would never be gathered, and the attention computed with this rank's shard (a wrong
+    output shape, silently, or a shape error later)."""
+    _all_ranks_raise(
+        2,
+        _unit_inside_attention,
+        match=lambda m: "unit 'attn.out_proj' is inside MultiheadAttention 'attn'" in m
+        and "call fully_shard on 'attn'" in m,
+    )
+
+
 def _divergent_shape():
     torch.manual_seed(0)
     width = 8 if dist.get_rank() == 1 else 7
