@@ -318,6 +318,9 @@ def no_sync(module: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None
     the accumulated sum (equal to DDP's ``no_sync``). With ``reduce_scatter=True`` every
     micro-batch is reduce-scattered instead, so gradients stay sharded (1/N memory) while
     accumulating; on a 2D mesh only the cross-replica all-reduce waits for the sync step.
+    Until that step the accumulated sum is fshard's, not in the parameters' ``.grad`` (which
+    hold shards): ``optimizer.zero_grad()`` between micro-batches does not drop it (as in
+    FSDP2; under DDP it would), so run every micro-batch you start to its synchronised step.
 
     Example:
         >>> with fshard.no_sync(model):               # doctest: +SKIP
