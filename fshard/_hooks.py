@@ -611,6 +611,7 @@ class RootState:
         self.groups = groups
         self.units_made = _UNITS_MADE[0]  # units_under(root) is ``groups`` while this holds
         self.forward_order: list[ParamGroup] = []  # first forward's units, as each started
+        self.step_order: list[ParamGroup] = []  # this step's, each at its first run since a backward
         self.finish_order: list[ParamGroup] = []  # and as each finished (the root last)
         self._recorded = False
         self._recording = False
@@ -662,6 +663,12 @@ class RootState:
             self._recording = False
             self._recorded = True
             self._build_prefetch_plan()
+        elif (
+            self._grad_forward_pending
+            and not self._check_every_step
+            and self.step_order != self.forward_order
+        ):
+            self._check_unit_order()
         # Free what was prefetched for a unit that then did not run (a skipped block, a wrong
         # explicit list): no backward gathers it; after an inference forward, free everything.
         inference = not torch.is_grad_enabled() and not self._grad_forward_pending
@@ -672,6 +679,7 @@ class RootState:
                 group.reshard()
             if inference:
                 group.ran_since_backward = False
+                self.step_order = []
             elif group.sharded_state is ShardedState.UNSHARDED:
                 # Kept for backward; until then the modules show the shards (hide_unsharded).
                 group.hide_unsharded()
@@ -682,6 +690,45 @@ class RootState:
     def record(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:
             self.forward_order.append(group)
+
+    def _check_unit_order(self) -> None:
+        """This step's forward ran other units than the first one's (a block skipped, experts
+        routed to): check that every rank ran the same, in the same order, before the backward.
+
+        After the first backward nothing else compares the ranks' collectives, and ranks that ran
+        as many units of one size, but different ones (LayerDrop drawing per rank, an expert per
+        unit routed to per rank), would pair one unit's gathers and reductions with another's:
+        wrong gradients, no error. A model whose units all run every step never pays for this.
+        """
+        labels = [g.label for g in self.step_order]
+        digest = hashlib.blake2b(repr(labels).encode(), digest_size=8).hexdigest()
+        with phase("fshard::check_unit_order"):
+            for process_group in self._process_groups:
+                everyone = _collectives.all_gather_objects(
+                    (dist.get_rank(), digest), process_group, label="check_unit_order"
+                )
+                if len({d for _, d in everyone}) == 1:
+                    continue
+                runs = _collectives.all_gather_objects(
+                    (dist.get_rank(), labels), process_group, label="check_unit_order"
+                )
+                runs.sort()
+                ref_rank, ref = runs[0]
+                other_rank, other = next((r, lab) for r, lab in runs if lab != ref)
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b),
+                    min(len(ref), len(other)),
+                )
+                nth = [run[at] if at < len(run) else "none" for run in (ref, other)]
+                raise RankMismatchError(
+                    f"fshard: the ranks ran different units in this step's forward: unit #{at + 1} "
+                    f"to run was {nth[0]} on rank {ref_rank} but {nth[1]} on rank "
+                    f"{other_rank} ({len(ref)} and {len(other)} units ran). Their gathers and "
+                    "gradient reductions would pair one unit's data with another's. Every rank "
+                    "must run the same units in the same order in a step: draw layer-dropping "
+                    "choices from a generator seeded alike on every rank, and keep experts routed "
+                    "per rank inside one unit that always runs. Do not step the optimizer."
+                )
 
     def record_finish(self, group: ParamGroup) -> None:
         if self._recording and group not in self.finish_order:
@@ -794,6 +841,7 @@ class RootState:
                         _UNSYNCED.add(group)
                 group.end_backward()
             self._grad_forward_pending = False
+            self.step_order = []
             self.hidden_kept = False  # every unit was freed
             if self._checking:
                 self.check_collective_order("backward")
@@ -813,6 +861,7 @@ class RootState:
         )
         self._callback_queued = False
         self._grad_forward_pending = False
+        self.step_order = []
         pending, self._pending_reduces = self._pending_reduces, []
         for item in pending:
             item.discard()
@@ -980,6 +1029,8 @@ def _pre_forward(
     if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
+    if not group.ran_since_backward:
+        root.step_order.append(group)
     group.ran_since_backward = True
     root.record(group)
     group.unshard()

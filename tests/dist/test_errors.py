@@ -477,9 +477,10 @@ def test_units_swapped_between_ranks_fail_the_first_backward():
 def _swap_at_step(swap_step: int, debug: bool):
     with mock.patch.dict(os.environ, {"FSHARD_DEBUG": "1" if debug else "0"}):
         model = _routed_model()
-        # A swap after the first step: FSHARD_DEBUG turns prefetch off, so the ranks' collective
-        # counts stay equal and the per-step check names the difference (with prefetch on, the
-        # counts differ and the step would fail with a CollectiveError at the timeout).
+        # A swap after the first step: with FSHARD_DEBUG the per-step collective check names
+        # the difference; without it, the forward's run order differs from the first step's,
+        # so the ranks compare the units they ran before the backward (equal counts of equal
+        # sizes: the collectives would pair one unit's data with another's, silently).
         checks = []
         for step in range(3):
             route = "first" if dist.get_rank() == 0 and step == swap_step else "both"
@@ -503,6 +504,39 @@ def test_the_order_is_checked_on_the_first_step_and_every_step_with_fshard_debug
         error=fshard.RankMismatchError,
         match=lambda m: "unit 'layers.1'" in m and "unit 'layers.2'" in m,
     )
+
+
+def test_units_swapped_between_ranks_after_the_first_step_are_an_error_before_the_backward():
+    """LayerDrop drawing per rank, or an expert per unit routed to per rank, after the first
+    step: as many units of one size ran on each rank, but different ones. The forward's order
+    differs from the first step's, so the ranks compare what they ran: an error on every rank
+    before any collective pairs one unit's data with another's (they trained on wrong
+    gradients, without a word)."""
+    _all_ranks_raise(
+        2,
+        _swap_at_step,
+        1,
+        False,
+        error=fshard.RankMismatchError,
+        match=lambda m: "unit #3 to run was 'layers.1' on rank 0 but 'layers.2' on rank 1" in m
+        and "seeded alike on every rank" in m,
+    )
+
+
+def _same_skip_on_every_rank() -> list[int]:
+    model = _routed_model()
+    checks = []
+    for step in range(3):  # the first step runs every unit; later ones skip one, alike
+        with fshard.testing.trace_collectives() as records:
+            model(torch.randn(3, 6), "both" if step == 0 else "first").sum().backward()
+        checks.append(sum(r.label == "check_unit_order" for r in records))
+    return checks
+
+
+def test_units_skipped_alike_on_every_rank_are_checked_and_train():
+    # The same skip everywhere passes the check (one object all-gather in a step that differs
+    # from the first; none in steps that run every unit).
+    assert get_pool(2).run(_same_skip_on_every_rank) == [[0, 1, 1]] * 2
 
 
 @pytest.mark.parametrize(
