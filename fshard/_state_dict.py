@@ -365,8 +365,13 @@ def _foreign_shard(what: str, value: torch.Tensor, slot: ParamSlot) -> str | Non
     and ``torch.load`` on another rank: a sharded state dict saved by rank 0 and loaded on every
     rank would give each rank rank 0's rows, silently.
     """
-    if not isinstance(value, DTensor) or not _same_layout(value, slot):
-        return None
+    info = slot.mesh_info
+    if (
+        not isinstance(value, DTensor)
+        or value.device_mesh != info.mesh
+        or tuple(value.placements) != info.placements(slot.layout.replicated)
+    ):
+        return None  # (laid out otherwise: gathered whole, with its own mesh's collectives)
     theirs = value.device_mesh.get_coordinate()
     mine = slot.mesh_info.mesh.get_coordinate()
     if theirs is None or mine is None:

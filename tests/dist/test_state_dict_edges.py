@@ -487,9 +487,10 @@ def test_a_load_after_a_forward_without_backward_leaves_the_shards_in_the_module
 
 
 def _rank0_file_everywhere_task(path: str, mesh_shape: tuple[int, ...]) -> dict[str, str | None]:
-    """Rank 0 saves its sharded state dicts with ``torch.save``; every rank loads the file."""
+    """Rank 0 saves its sharded state dicts with ``torch.save``; every rank loads the file
+    (uneven shards too: 5 rows are 3 on rank 0, 2 on rank 1)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4))
     fshard.fully_shard(model, mesh=mesh_for(mesh_shape))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
