@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -1085,11 +1085,13 @@ def optim_state_dict(
     into another kind of optimizer (torch's ``Optimizer.load_state_dict`` ignores the key).
 
     Collective, in both forms: every rank of the mesh calls it (the ranks agree on any error
-    before returning), so not under ``if rank == 0:``. For an optimizer that has not stepped
-    yet the sharded form gives the state one step would make, with ``step`` 0 (as torch's
-    ``get_optimizer_state_dict`` does), so that it serves as the template
-    ``torch.distributed.checkpoint.load`` reads a checkpoint into; the optimizer itself is left
-    without state until ``load_optim_state_dict`` (or its first step).
+    before returning), so not under ``if rank == 0:``. In the sharded form every trainable
+    parameter has state: one the optimizer has no state for yet (none has, before the first
+    step; a parameter that never got a gradient) gets the state a fresh optimizer starts its
+    first step from (``step`` 0), as torch's ``get_optimizer_state_dict`` gives one step's. So
+    a fresh run's dict serves as the template ``torch.distributed.checkpoint.load`` reads a
+    checkpoint into, and checkpoints have every key such a template asks for. The optimizer
+    itself is left as it is.
 
     Example:
         >>> osd = fshard.optim_state_dict(model, opt)          # doctest: +SKIP
@@ -1125,8 +1127,10 @@ def _optim_state_dict(
         _check_saved_state(optim, by_param, where)
     keep = not rank0_only or dist.get_rank() == _src_rank(info)
     states: Mapping[torch.Tensor, Mapping[str, Any]] = optim.state
-    if placeholder and not full and not optim.state:
-        states = _placeholder_state(optim)
+    if placeholder and not full:
+        made = _placeholder_state(optim)
+        if made:
+            states = {**optim.state, **made}
     state: dict[str, dict[str, Any]] = {}
     for params in _optim_params(optim):
         for p in params:
@@ -1166,53 +1170,99 @@ def _optim_state_dict(
 
 
 def _placeholder_state(optim: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
-    """The state an optimizer that has not stepped yet would have, for ``optim`` to leave as
-    it is: tensors for ``torch.distributed.checkpoint.load`` to read a checkpoint into.
+    """The state of a fresh optimizer for each trainable parameter ``optim`` holds no state
+    for, leaving ``optim`` as it is: tensors for ``torch.distributed.checkpoint.load`` to read
+    a checkpoint into.
 
     An empty state would make the DCP resume recipe (template, ``dcp.load``, then
     ``load_optim_state_dict``) load no optimizer state at all, silently: Adam's moments and step
     start again. So the optimizer's own step (not its hooks: an EMA post-hook must not see it)
-    runs once with zero gradients, the learning rates and weight decays at 0 (the params do not
-    change), every ``step`` counter is set back to 0 (so Adam's state is exactly the fresh one),
-    and the state it made is taken out of the optimizer again, with the gradients restored. An
-    optimizer without ``lr`` in every group, or whose step needs a closure (LBFGS), keeps an
-    empty state.
+    runs once over those parameters only, with zero gradients, the learning rates and weight
+    decays at 0 (the params do not change); the state it made is taken out again, with the
+    gradients and the groups restored, and set back to what the first step starts from
+    (``_as_fresh``), so a checkpoint saved before any step resumes as a fresh run would. A run
+    whose optimizer has stepped gets such entries for the parameters that never had a
+    gradient (a pooler an MLM loss does not use), so its checkpoints have the keys a fresh
+    run's template asks for. An optimizer without ``lr`` in every group, or whose step needs a
+    closure (LBFGS), gets none.
     """
     groups = optim.param_groups
     if not groups or any("lr" not in g for g in groups):
         return {}
-    saved_grads = []
+    saved_params: list[list[torch.Tensor]] = []
     saved_hyper: list[dict[str, Any]] = []
+    saved_grads = []
     for group in groups:
+        saved_params.append(group["params"])
+        chosen = [p for p in group["params"] if p.requires_grad and p not in optim.state]
+        group["params"] = chosen
         saved_hyper.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
         for k, v in saved_hyper[-1].items():
             if isinstance(v, torch.Tensor):
                 group[k] = torch.zeros_like(v)
             elif isinstance(v, (int, float)):
                 group[k] = 0.0
-        for p in group["params"]:
+        for p in chosen:
             saved_grads.append((p, p.grad))
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
+            p.grad = torch.zeros_like(p)
+    if not saved_grads:
+        for group, params in zip(groups, saved_params, strict=True):
+            group["params"] = params
+        for group, hyper in zip(groups, saved_hyper, strict=True):
+            group.update(hyper)
+        return {}
     step = type(optim).step
     step = getattr(step, "__wrapped__", step)  # torch's wrapper runs the step hooks
     made: dict[torch.Tensor, dict[str, Any]] = {}
+    failed = False
     try:
         step(optim)
-        for p, per in optim.state.items():
-            made[p] = dict(per)
-            if "step" in per:
-                value = per["step"]
-                made[p]["step"] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
     except Exception as exc:  # a step that needs a closure (LBFGS): no placeholder
         logger.debug("fshard: no placeholder optimizer state (%s: %s)", type(exc).__name__, exc)
-        made = {}
+        failed = True
     finally:
-        optim.state.clear()
-        for group, hyper in zip(groups, saved_hyper, strict=True):
+        for group, params, hyper in zip(groups, saved_params, saved_hyper, strict=True):
+            for p in group["params"]:  # only these can have state made here
+                per = optim.state.pop(p, None)
+                if per and not failed:
+                    made[p] = _as_fresh(optim, per, hyper)
+            group["params"] = params
             group.update(hyper)
         for p, grad in saved_grads:
             p.grad = grad
     return made
+
+
+def _as_fresh(
+    optim: torch.optim.Optimizer, state: Mapping[str, Any], hyper: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One step's state, with zero gradients at learning rate 0, set back to what the first
+    step starts from: ``step`` 0 (Adam, RMSprop, Adadelta, Adamax, RAdam, Adagrad then step
+    exactly as fresh ones), and for torch's optimizers whose state starts from the learning
+    rate or from 1, those values (Rprop's ``step_size``, ASGD's ``eta``, ``mu`` and ``ax``,
+    NAdam's ``mu_product``). SGD's momentum buffer stays zeros: a fresh SGD copies the first
+    gradient instead, which is the same unless ``dampening`` is set."""
+    out = dict(state)
+    if "step" in out:
+        value = out["step"]
+        out["step"] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
+    lr = float(hyper.get("lr", 0.0))
+    kind = type(optim)
+    fresh: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    if kind is torch.optim.Rprop:
+        fresh = {"step_size": lambda t: torch.full_like(t, lr), "prev": torch.zeros_like}
+    elif kind is torch.optim.ASGD:
+        fresh = {
+            "eta": lambda t: torch.full_like(t, lr),
+            "mu": torch.ones_like,
+            "ax": torch.zeros_like,
+        }
+    elif kind is torch.optim.NAdam:
+        fresh = {"mu_product": torch.ones_like}
+    for key, make in fresh.items():
+        if isinstance(out.get(key), torch.Tensor):
+            out[key] = make(out[key])
+    return out
 
 
 def load_optim_state_dict(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -160,3 +162,67 @@ def _dcp_resume_task(path, save_mesh, load_mesh):
 @pytest.mark.parametrize(("save_mesh", "load_mesh"), [((4,), (4,)), ((4,), (2, 2))], ids=str)
 def test_dcp_resume_into_a_fresh_optimizer(tmp_path, save_mesh, load_mesh):
     assert all(get_pool(4).run(_dcp_resume_task, str(tmp_path / "ckpt"), save_mesh, load_mesh))
+
+
+class _WithPooler(nn.Module):
+    """A body the loss uses and a pooler it never does (BERT's under an MLM loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 4)
+        self.pooler = nn.Linear(4, 4)
+        # (float32: torch's Optimizer.load_state_dict casts NAdam's float32 mu_product to a
+        # float64 param's dtype, so a resumed float64 run differs from an uninterrupted one)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+    "rprop": lambda params: torch.optim.Rprop(params, lr=0.01),
+    "nadam": lambda params: torch.optim.NAdam(params, lr=0.01),
+    "asgd": lambda params: torch.optim.ASGD(params, lr=0.01),
+}
+
+
+def _pooler_run(optimizer: str, path: str, save_at: int, steps: int) -> dict[str, torch.Tensor]:
+    """Train ``steps`` steps; with ``path``, a fresh run first resumes from the DCP
+    checkpoint saved after ``save_at`` steps (``save_at`` < 0: this run saves it)."""
+    model = _WithPooler()
+    fshard.fully_shard(model.body, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    start = 0
+    if save_at >= 0:  # resume: the template of a fresh job, then dcp.load
+        template = {"model": fshard.state_dict(model), "optim": fshard.optim_state_dict(model, opt)}
+        dcp.load(template, checkpoint_id=path)
+        fshard.load_state_dict(model, template["model"])
+        fshard.load_optim_state_dict(model, opt, template["optim"])
+        start = save_at
+    for step in range(start, steps):
+        if save_at < 0 and step == -save_at - 1:
+            dcp.save({"model": fshard.state_dict(model), "optim": fshard.optim_state_dict(model, opt)}, checkpoint_id=path)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return fshard.full_state_dict(model, rank0_only=False)
+
+
+def _resume_task(optimizer: str, path: str, save_at: int) -> bool:
+    want = _pooler_run(optimizer, path, -(save_at + 1), 3)  # saves before step ``save_at``
+    got = _pooler_run(optimizer, path, save_at, 3)
+    C.assert_same_tensors(got, want, what=f"{optimizer} resumed at step {save_at}")
+    return True
+
+
+@pytest.mark.parametrize("save_at", [0, 2])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_dcp_resume_with_an_unused_parameter_and_from_before_the_first_step(tmp_path, optimizer, save_at):
+    """A parameter that never gets a gradient has state in the checkpoint too (the fresh
+    template asks for it: dcp.load raised "Missing key"), and a checkpoint saved before the
+    first step resumes exactly as a fresh run (the template's one-step state was saved as
+    real state: Rprop's step size clamped from lr 0, NAdam's mu_product, ASGD's eta)."""
+    assert all(get_pool(2).run(_resume_task, optimizer, str(tmp_path / "ckpt"), save_at))
