@@ -188,6 +188,7 @@ class ParamGroup:
         self.attr_index: list[tuple[int, tuple[str, ...]]] = []
         # Modules of this unit called from outside its forward, being run as its forward now.
         self.outside_calls: list[nn.Module] = []
+        self.order_mark = -1  # the root forward in which it was last called (RootState.forwards)
         # Autograd's sequence number when the latest forward with grad began (see _hooks).
         self.forward_seq = 0
         self.reset_backward()
@@ -549,8 +550,11 @@ class ParamGroup:
         # moment of its own to say it is done, so the unit is reduced when the backward ends.
         self.unwaited_forward = False
         # Forwards that ran without grad on inputs requiring it (inside a reentrant
-        # checkpoint): each recompute in backward arms the waiter they could not.
-        self.checkpointed_calls = 0
+        # checkpoint): each recompute in backward arms the waiter they could not. One claim
+        # each, held by the checkpoint Function's node: a graph no backward comes for drops its
+        # claims with it (a count would hold the unit gathered through the next step's
+        # backward).
+        self._segments: weakref.WeakSet[_SegmentClaim] = weakref.WeakSet()
         self._reduced = False
         self._freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
@@ -562,6 +566,24 @@ class ParamGroup:
         # forward) gets none on any rank, so the end of the backward does not reduce it.
         self.backward_may_come = False
         self.inputs_grad_awaited = False  # one of them, with grad, had inputs requiring grad
+
+    @property
+    def checkpointed_calls(self) -> int:
+        """Reentrant checkpoint segments of this unit whose recompute may still come."""
+        return len(self._segments)
+
+    def claim_segment(self, ctx: object) -> None:
+        claim = _SegmentClaim()
+        claims = getattr(ctx, "_fshard_segment_claims", None)
+        if claims is None:
+            claims = []
+            ctx._fshard_segment_claims = claims  # type: ignore[attr-defined]
+        claims.append(claim)
+        self._segments.add(claim)
+
+    def consume_segment(self) -> None:
+        if self._segments:
+            self._segments.pop()
 
     def end_backward(self) -> None:
         """Back to idle after a backward (or an aborted one): freed, bookkeeping forgotten."""
@@ -931,6 +953,13 @@ def _run_user_grad_hooks(param: torch.Tensor) -> None:
     for hook in list(hooks.values()):
         if not getattr(hook, "_fshard_internal", False):
             hook(param)
+
+
+class _SegmentClaim:
+    """A unit's claim that a reentrant checkpoint's recompute may still come (see
+    ``ParamGroup.claim_segment``); only weak references are kept but the Function's own."""
+
+    __slots__ = ("__weakref__",)
 
 
 class _Reduced(NamedTuple):

@@ -611,7 +611,8 @@ class RootState:
         self.groups = groups
         self.units_made = _UNITS_MADE[0]  # units_under(root) is ``groups`` while this holds
         self.forward_order: list[ParamGroup] = []  # first forward's units, as each started
-        self.step_order: list[ParamGroup] = []  # this step's, each at its first run since a backward
+        self.step_order: list[ParamGroup] = []  # this forward's, as each started
+        self.forwards = 0  # the root's forwards so far (units mark their first call in one)
         self.finish_order: list[ParamGroup] = []  # and as each finished (the root last)
         self._recorded = False
         self._recording = False
@@ -657,6 +658,8 @@ class RootState:
             self._recording = True
             self.forward_order = []
             self.finish_order = []
+        self.forwards += 1
+        self.step_order = []
 
     def on_root_post_forward(self) -> None:
         if self._recording:
@@ -679,7 +682,6 @@ class RootState:
                 group.reshard()
             if inference:
                 group.ran_since_backward = False
-                self.step_order = []
             elif group.sharded_state is ShardedState.UNSHARDED:
                 # Kept for backward; until then the modules show the shards (hide_unsharded).
                 group.hide_unsharded()
@@ -841,7 +843,6 @@ class RootState:
                         _UNSYNCED.add(group)
                 group.end_backward()
             self._grad_forward_pending = False
-            self.step_order = []
             self.hidden_kept = False  # every unit was freed
             if self._checking:
                 self.check_collective_order("backward")
@@ -861,7 +862,6 @@ class RootState:
         )
         self._callback_queued = False
         self._grad_forward_pending = False
-        self.step_order = []
         pending, self._pending_reduces = self._pending_reduces, []
         for item in pending:
             item.discard()
@@ -1021,7 +1021,7 @@ def _pre_forward(
             # backward that follows computes those inputs' gradients.
             wrapped = _wrap_inputs(group, args, kwargs)
             if wrapped is not None:
-                group.checkpointed_calls -= 1
+                group.consume_segment()
                 return wrapped
         return args, kwargs
     if root.root is group:
@@ -1029,7 +1029,8 @@ def _pre_forward(
     if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
-    if not group.ran_since_backward:
+    if group.order_mark != root.forwards:  # its first call in this forward of the root
+        group.order_mark = root.forwards
         root.step_order.append(group)
     group.ran_since_backward = True
     root.record(group)
@@ -1042,15 +1043,18 @@ def _pre_forward(
         target.unshard(async_op=True)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
-        if (
-            root._grad_forward_pending or _any_requires_grad(args, kwargs)
-        ) and _in_autograd_function_forward():
+        ctx = None
+        if root._grad_forward_pending or _any_requires_grad(args, kwargs):
+            ctx = _autograd_function_ctx()
+        if ctx is not None:
             # Without grad inside a forward with grad, or on inputs requiring grad, and within
             # an autograd.Function's forward: a reentrant checkpoint's segment. Its recompute,
             # if one comes in backward, arms the waiter; until then the unit's backward is not
-            # done (every rank alike). (Under a plain torch.no_grad(), a target computed by
-            # the model itself, no backward ever comes: the unit is freed as after inference.)
-            group.checkpointed_calls += 1
+            # done (every rank alike). The claim lives on the Function's node, so it goes with
+            # a graph no backward comes for (an evaluation with grad, a skipped step). (Under a
+            # plain torch.no_grad(), a target computed by the model itself, no backward ever
+            # comes: the unit is freed as after inference.)
+            group.claim_segment(ctx)
             group.backward_may_come = True
         return args, kwargs
     group.grad_forward_ran = True
@@ -1064,20 +1068,21 @@ def _pre_forward(
     return wrapped
 
 
-def _in_autograd_function_forward() -> bool:
-    """Whether the caller runs inside the ``forward`` of a ``torch.autograd.Function``, as the
-    segment of a reentrant checkpoint does (torch's, DeepSpeed's, Megatron's or FairScale's
-    ``CheckpointFunction``): a frame named ``forward`` whose first argument is the Function's
-    ``ctx``. Only the forwards run without grad ask, so the walk costs nothing otherwise."""
+def _autograd_function_ctx() -> torch.autograd.function.FunctionCtx | None:
+    """The ``ctx`` of the ``torch.autograd.Function`` whose ``forward`` the caller runs inside,
+    as the segment of a reentrant checkpoint does (torch's, DeepSpeed's, Megatron's or
+    FairScale's ``CheckpointFunction``): a frame named ``forward`` whose first argument is the
+    Function's ``ctx``; None outside one. Only the forwards run without grad ask, so the walk
+    costs nothing otherwise."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "forward" and code.co_argcount > 0 and code.co_varnames[0] != "self":
             first = frame.f_locals.get(code.co_varnames[0])  # (modules' forwards skipped)
             if isinstance(first, torch.autograd.function.FunctionCtx):
-                return True
+                return first
         frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return None
 
 
 def _cast_inputs(

@@ -497,3 +497,45 @@ def test_a_gather_in_flight_across_an_optimizer_step_is_not_used():
     since a gather still in flight was issued: it computed with the weights from before the
     step (or a mix, read while the step wrote them), off DDP from the next step on."""
     get_pool(2).run(_validation_between_backward_and_step_worker)
+
+
+class _CheckpointedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), x, use_reentrant=True)
+        return x
+
+
+def _backward_after_an_abandoned_forward_worker() -> list[list[tuple[str, str]]]:
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks()
+    mesh = mesh_for((2,))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    traces = []
+    for abandon in (False, True, True):
+        x = torch.randn(3, 6, requires_grad=True)
+        if abandon:  # a forward with grad whose backward never comes (a NaN loss skipped)
+            model(x).sum()
+            with torch.no_grad():
+                model(x)
+        loss = model(x).sum()
+        with trace_collectives() as records:
+            loss.backward()
+        traces.append([(r.op, r.label) for r in records if r.op != "all_gather_object"])
+    return traces
+
+
+def test_a_reentrant_checkpoints_forward_without_backward_does_not_hold_the_next_backward():
+    """A forward with grad under reentrant checkpointing whose backward never comes leaves no
+    claim of a recompute to come: the next step's backward reduces and frees each unit as it
+    goes (it held every unit gathered, with its full gradients, to the end: DDP's memory)."""
+    for normal, *after_abandoned in get_pool(2).run(_backward_after_an_abandoned_forward_worker):
+        for trace in after_abandoned:
+            assert trace == normal, (trace, normal)
+        assert normal.index(("reduce_scatter", "blocks.3")) < normal.index(("all_gather", "blocks.1")), normal
