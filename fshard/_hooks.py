@@ -1558,9 +1558,23 @@ def _fingerprint(module: nn.Module, groups: list[ParamGroup]) -> list[tuple[Any,
                 g.reshard_after_forward,
                 repr(g.mp_policy),  # frozen dataclasses: the repr names every field
                 repr(g.offload_policy),
+                _prefetch_setting(g),  # it decides which gathers each rank issues, and when
             )
         )
+    # FSHARD_DEBUG turns prefetch off and adds a check to every step: collectives of its own.
+    rows.append(("debug", os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")))
     return rows
+
+
+def _prefetch_setting(g: ParamGroup) -> str:
+    def labels(targets: list[ParamGroup] | None) -> str:
+        return "default" if targets is None else "[" + ", ".join(t.label for t in targets) + "]"
+
+    return (
+        f"forward={labels(g.explicit_forward_prefetch)} (default on: "
+        f"{g.forward_prefetch_default}), backward={labels(g.explicit_backward_prefetch)} "
+        f"(default: {g.backward_prefetch_default.name})"
+    )
 
 
 def _describe(row: tuple[Any, ...] | None) -> str:
@@ -1569,8 +1583,10 @@ def _describe(row: tuple[Any, ...] | None) -> str:
     if row[0] == "unit":
         return (
             f"unit {row[1]} (mesh {row[2]}, reshard_after_forward={row[3]}, mp_policy={row[4]}, "
-            f"offload_policy={row[5]})"
+            f"offload_policy={row[5]}, prefetch {row[6]})"
         )
+    if row[0] == "debug":
+        return f"FSHARD_DEBUG {'set' if row[1] else 'unset'} (set it alike on every rank)"
     return (
         f"parameter {row[1]!r} (unit {row[2]}, shape {list(row[3])}, {row[4]}, "
         f"requires_grad={row[5]}" + (", on the meta device)" if row[6] else ")")

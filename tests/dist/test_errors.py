@@ -312,6 +312,31 @@ def test_a_unit_inside_multihead_attention_is_refused():
     )
 
 
+def _prefetch_differs(how: str):
+    model = _routed_model()
+    if dist.get_rank() == 1:
+        if how == "set_prefetch":
+            fshard.set_prefetch(model, backward="NO_PREFETCH")
+        with mock.patch.dict(os.environ, {"FSHARD_DEBUG": "1" if how == "debug" else "0"}):
+            model(torch.randn(3, 6), "both").sum().backward()
+    else:
+        with mock.patch.dict(os.environ, {"FSHARD_DEBUG": "0"}):
+            model(torch.randn(3, 6), "both").sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [("set_prefetch", "backward=default (default: NO_PREFETCH)"), ("debug", "FSHARD_DEBUG set")],
+)
+def test_prefetch_settings_or_fshard_debug_on_one_rank_are_named(how, named):
+    """They decide which gathers each rank issues and when: set on one rank only (a per-rank
+    config file, FSHARD_DEBUG exported on one node), the first backward hung to the timeout
+    with a message blaming the units run."""
+    _all_ranks_raise(
+        2, _prefetch_differs, how, error=fshard.RankMismatchError, match=lambda m: named in m
+    )
+
+
 def _divergent_shape():
     torch.manual_seed(0)
     width = 8 if dist.get_rank() == 1 else 7
