@@ -75,6 +75,8 @@ from fshard._state_dict import (
     _load_optim,
     _optim_state_dict,
     _param_names,
+    _ranks_agree,
+    _root_info,
     layout_of,
     load_state_dict,
     state_dict,
@@ -912,49 +914,53 @@ def load(
     if verify:
         _verify(root, manifest, distributed=True)
 
-    saved = Layout.from_json(manifest["model"])
-    entries = _entries(model, where)
-    model_sd = state_dict(model)
-    problems = ProblemList(f"{where}({root})")
-    tensor_keys = [e.key for e in entries if isinstance(e.value, torch.Tensor)]
-    # Modules' extra state (``get_extra_state``): saved through DCP, read back without
-    # arbitrary unpickling ([Note: no unpickling]).
-    saved_keys = set(manifest.get("model_keys", saved))
-    object_keys = [k for k in model_sd if not isinstance(model_sd[k], torch.Tensor)]
-    missing = [k for k in tensor_keys if k not in saved]
-    missing += [k for k in object_keys if k not in saved_keys]
-    unexpected = [k for k in saved if k not in model_sd]
-    unexpected += [k for k in saved_keys if k not in saved and k not in model_sd]
-    if strict and missing:
-        problems.add(f"the checkpoint lacks key(s) the model has: {missing}")
-    if strict and unexpected:
-        problems.add(f"the checkpoint has key(s) the model lacks: {unexpected}")
-    for key in tensor_keys:
-        if key in saved and tuple(model_sd[key].shape) != saved[key].full_shape:
-            problems.add(
-                f"key {key!r}: shape mismatch, the checkpoint has {list(saved[key].full_shape)} "
-                f"but the model has {list(model_sd[key].shape)}"
-            )
-    if optimizer is not None and manifest.get("optimizer") is None:
-        problems.add("an optimizer was passed but the checkpoint has no optimizer state")
-    problems.raise_if_any(
-        ValueError, hint="Load into the same model architecture, or pass strict=False."
-    )
-
-    to_load: dict[str, Any] = {
-        "model": {
-            k: v for k, v in model_sd.items() if k in saved or (k in object_keys and k in saved_keys)
-        }
-    }
-    optim_desc = manifest.get("optimizer") if optimizer is not None else None
-    load_optim = None
-    if optimizer is not None and optim_desc is not None:
-        to_load["optim"] = _optim_template(model, optimizer, optim_desc, where, strict=strict)
-        # The template tensors are ours alone: no copy needed.
-        load_optim = functools.partial(
-            _load_optim, model, optimizer, copy=False, strict=strict, where=f"{where}({root})"
+    # Every rank checks its model against the manifest, and all raise if one finds a problem
+    # (a rank that built another model would otherwise wait in DCP's load for the others).
+    with _ranks_agree(_root_info(model, where), where):
+        saved = Layout.from_json(manifest["model"])
+        entries = _entries(model, where)
+        model_sd = state_dict(model)
+        problems = ProblemList(f"{where}({root})")
+        tensor_keys = [e.key for e in entries if isinstance(e.value, torch.Tensor)]
+        # Modules' extra state (``get_extra_state``): saved through DCP, read back without
+        # arbitrary unpickling ([Note: no unpickling]).
+        saved_keys = set(manifest.get("model_keys", saved))
+        object_keys = [k for k in model_sd if not isinstance(model_sd[k], torch.Tensor)]
+        missing = [k for k in tensor_keys if k not in saved]
+        missing += [k for k in object_keys if k not in saved_keys]
+        unexpected = [k for k in saved if k not in model_sd]
+        unexpected += [k for k in saved_keys if k not in saved and k not in model_sd]
+        if strict and missing:
+            problems.add(f"the checkpoint lacks key(s) the model has: {missing}")
+        if strict and unexpected:
+            problems.add(f"the checkpoint has key(s) the model lacks: {unexpected}")
+        for key in tensor_keys:
+            if key in saved and tuple(model_sd[key].shape) != saved[key].full_shape:
+                problems.add(
+                    f"key {key!r}: shape mismatch, the checkpoint has {list(saved[key].full_shape)} "
+                    f"but the model has {list(model_sd[key].shape)}"
+                )
+        if optimizer is not None and manifest.get("optimizer") is None:
+            problems.add("an optimizer was passed but the checkpoint has no optimizer state")
+        problems.raise_if_any(
+            ValueError, hint="Load into the same model architecture, or pass strict=False."
         )
-        # Keys, shapes and the class, before anything is read.
+
+        to_load: dict[str, Any] = {
+            "model": {
+                k: v for k, v in model_sd.items() if k in saved or (k in object_keys and k in saved_keys)
+            }
+        }
+        optim_desc = manifest.get("optimizer") if optimizer is not None else None
+        load_optim = None
+        if optimizer is not None and optim_desc is not None:
+            to_load["optim"] = _optim_template(model, optimizer, optim_desc, where, strict=strict)
+            # The template tensors are ours alone: no copy needed.
+            load_optim = functools.partial(
+                _load_optim, model, optimizer, copy=False, strict=strict, where=f"{where}({root})"
+            )
+    if load_optim is not None and optim_desc is not None:
+        # Keys, shapes and the class, before anything is read (the ranks agree in there).
         load_optim(_optim_to_load(optim_desc, to_load["optim"]), check_only=True)
     _dcp_load(to_load, root, no_dist=False)
     load_state_dict(model, to_load["model"], strict=False)

@@ -88,6 +88,25 @@ def _load_only_task(path, spec=C.SPEC, strict=True, verify=True, with_optim=True
     return extra, C.full_params(model)
 
 
+def _load_differing_on_one_rank_task(path):
+    model = C.build_sharded((dist.get_world_size(),), seed=5)
+    if dist.get_rank() == 1:  # a rank that built another model (a config read differently)
+        model.counter = torch.zeros(5, dtype=torch.float64)
+    try:
+        ckpt.load(path, model, C.make_optim(model))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_problem_found_on_one_rank_is_raised_on_every_rank(saved_2):
+    """The ranks agree on the checks before DCP reads anything: the others waited in the
+    load to the process-group timeout, with gloo's error and no word of the cause."""
+    for message in get_pool(2).run(_load_differing_on_one_rank_task, str(saved_2), timeout=60):
+        assert message is not None and "key 'counter': shape mismatch" in message, message
+        assert "found on rank 1" in message, message
+
+
 def _bad_extra_task(path):
     extra = {"step": 1, "where": object()} if dist.get_rank() == 1 else {"step": 1}
     model = C.build_sharded((dist.get_world_size(),))
