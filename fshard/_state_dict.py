@@ -1118,7 +1118,7 @@ def _optim_state_dict(
     # The ranks agree before any gather, and before the caller's next collective (a checkpoint's
     # broadcast): see [Note: ranks agree on errors].
     with _ranks_agree(info, where):
-        named_groups, _ = _named_params(model, optim, where)
+        named_groups, entries = _named_params(model, optim, where)
         check_optimizer_state(optim)  # state made before fully_shard: sharded now, or an error
         by_param: dict[int, tuple[str, ParamSlot | None]] = {}
         for params, named in zip(_optim_params(optim), named_groups, strict=True):
@@ -1132,33 +1132,35 @@ def _optim_state_dict(
         if made:
             states = {**optim.state, **made}
     state: dict[str, dict[str, Any]] = {}
-    for params in _optim_params(optim):
-        for p in params:
-            if p not in states:
-                continue
-            name, slot = by_param[id(p)]
-            if name in state:
-                continue
-            out: dict[str, Any] = {}
-            for key, value in states[p].items():
-                if _is_shard_shaped(value, slot):
-                    assert_slot: ParamSlot = slot  # type: ignore[assignment]  # checked above
-                    if full:
-                        gathered = _gather_full(
-                            assert_slot,
-                            value,
-                            rank0_only=rank0_only,
-                            label=f"optim_state_dict({name}.{key})",
-                        )
-                        if gathered is not None:
-                            out[key] = gathered.cpu()
-                    else:
-                        out[key] = _as_dtensor(assert_slot, value)
-                elif isinstance(value, torch.Tensor) and full:
-                    out[key] = value.detach().to("cpu", copy=True)  # a snapshot, as gathered ones
+    # In the model's order, not the param groups' (which may differ between ranks: a
+    # set of parameters): with ``full`` the ranks gather one tensor at a time, in step.
+    position = {e.key: i for i, e in enumerate(entries)}
+    held = [p for params in _optim_params(optim) for p in params if p in states]
+    held.sort(key=lambda p: position.get(by_param[id(p)][0], len(position)))
+    for p in held:
+        name, slot = by_param[id(p)]
+        if name in state:
+            continue
+        out: dict[str, Any] = {}
+        for key, value in states[p].items():
+            if _is_shard_shaped(value, slot):
+                assert_slot: ParamSlot = slot  # type: ignore[assignment]  # checked above
+                if full:
+                    gathered = _gather_full(
+                        assert_slot,
+                        value,
+                        rank0_only=rank0_only,
+                        label=f"optim_state_dict({name}.{key})",
+                    )
+                    if gathered is not None:
+                        out[key] = gathered.cpu()
                 else:
-                    out[key] = value
-            state[name] = out
+                    out[key] = _as_dtensor(assert_slot, value)
+            elif isinstance(value, torch.Tensor) and full:
+                out[key] = value.detach().to("cpu", copy=True)  # a snapshot, as gathered ones
+            else:
+                out[key] = value
+        state[name] = out
     if not keep:
         return {}
     param_groups = []

@@ -540,3 +540,39 @@ def test_another_ranks_sharded_state_dict_is_refused(tmp_path, mesh_shape):
             assert errors["module"] is None, errors
         for name in ("fshard", "optim"):  # agreed: refused on every rank
             assert errors[name] is not None and "holding the shard of mesh coordinate" in errors[name], (rank, errors)
+
+
+def _full_optim_state_with_rank_dependent_order_task() -> bool:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    params = list(model.parameters())
+    if dist.get_rank() == 1:  # a set of parameters, or any order that depends on the rank
+        params.reverse()
+    opt = torch.optim.Adam(params, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    full = fshard.optim_state_dict(model, opt, full=True)["state"]
+    for name, p in model.named_parameters():
+        want = opt.state[p]["exp_avg"]  # this rank's rows, gathered by name below
+        rows = torch.cat(_all_gather_list(want)) if want.dim() else want
+        assert torch.equal(full[name]["exp_avg"], rows), name
+    return True
+
+
+def _all_gather_list(local: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``local`` (rows may differ in number), with plain torch collectives."""
+    sizes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, local.shape[0])
+    padded = torch.zeros((max(sizes), *local.shape[1:]), dtype=local.dtype)
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [g[:n] for g, n in zip(gathered, sizes, strict=True)]
+
+
+def test_full_optim_state_dict_with_param_groups_ordered_per_rank():
+    """The ranks gather one tensor at a time in the model's order, not their param groups'
+    (a ``set`` of parameters orders them per process): gathered in each rank's own order, the
+    rows of one parameter's state were joined with another's, under the wrong names."""
+    assert all(get_pool(2).run(_full_optim_state_with_rank_dependent_order_task))
