@@ -188,7 +188,7 @@ class ParamGroup:
         self.attr_index: list[tuple[int, tuple[str, ...]]] = []
         # Modules of this unit called from outside its forward, being run as its forward now.
         self.outside_calls: list[nn.Module] = []
-        self.order_mark = -1  # the root forward in which it was last called (RootState.forwards)
+        self.order_mark = -1  # the step in which it last ran with grad (RootState.steps)
         # Autograd's sequence number when the latest forward with grad began (see _hooks).
         self.forward_seq = 0
         self.reset_backward()

@@ -611,8 +611,12 @@ class RootState:
         self.groups = groups
         self.units_made = _UNITS_MADE[0]  # units_under(root) is ``groups`` while this holds
         self.forward_order: list[ParamGroup] = []  # first forward's units, as each started
-        self.step_order: list[ParamGroup] = []  # this forward's, as each started
-        self.forwards = 0  # the root's forwards so far (units mark their first call in one)
+        # This step's units (forwards with grad since the last backward), as each first ran,
+        # and the order the last checked step (or the first) ran them in: see _check_unit_order.
+        self.step_order: list[ParamGroup] = []
+        self.reference_order: list[ParamGroup] | None = None
+        self.steps = 0  # backwards so far (units mark their first run in a step with it)
+        self._order_checked = False  # in this backward
         self.finish_order: list[ParamGroup] = []  # and as each finished (the root last)
         self._recorded = False
         self._recording = False
@@ -658,20 +662,12 @@ class RootState:
             self._recording = True
             self.forward_order = []
             self.finish_order = []
-        self.forwards += 1
-        self.step_order = []
 
     def on_root_post_forward(self) -> None:
         if self._recording:
             self._recording = False
             self._recorded = True
             self._build_prefetch_plan()
-        elif (
-            self._grad_forward_pending
-            and not self._check_every_step
-            and self.step_order != self.forward_order
-        ):
-            self._check_unit_order()
         # Free what was prefetched for a unit that then did not run (a skipped block, a wrong
         # explicit list): no backward gathers it; after an inference forward, free everything.
         inference = not torch.is_grad_enabled() and not self._grad_forward_pending
@@ -689,19 +685,46 @@ class RootState:
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
+    def _next_step(self) -> None:
+        if self.reference_order is None and self.step_order:
+            self.reference_order = self.step_order
+        self.step_order = []
+        self.steps += 1
+        self._order_checked = False
+
     def record(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:
             self.forward_order.append(group)
 
-    def _check_unit_order(self) -> None:
-        """This step's forward ran other units than the first one's (a block skipped, experts
-        routed to): check that every rank ran the same, in the same order, before the backward.
+    def note_run(self, group: ParamGroup) -> None:
+        """``group`` ran with grad (or as a reentrant checkpoint's segment) in this step."""
+        if group.order_mark != self.steps:
+            group.order_mark = self.steps
+            self.step_order.append(group)
+
+    def check_step_order(self) -> None:
+        """At the start of a backward (before any of its collectives): if this step's units ran
+        in another order than the last checked step's (or the first step's), check that every
+        rank ran the same, in the same order.
 
         After the first backward nothing else compares the ranks' collectives, and ranks that ran
         as many units of one size, but different ones (LayerDrop drawing per rank, an expert per
         unit routed to per rank), would pair one unit's gathers and reductions with another's:
-        wrong gradients, no error. A model whose units all run every step never pays for this.
+        wrong gradients, no error. A model whose steps run the same units never pays for this
+        (nor do forwards without a backward: evaluation, generation).
         """
+        if self._order_checked or not in_backward():
+            return
+        self._order_checked = True
+        if self._check_every_step or self.reference_order is None or not self.step_order:
+            # (The first backward's collectives are compared: check_collective_order. No
+            # forward since the last backward, a second backward of one graph: checked then.)
+            return
+        if self.step_order != self.reference_order:
+            self._check_unit_order()
+            self.reference_order = list(self.step_order)
+
+    def _check_unit_order(self) -> None:
         labels = [g.label for g in self.step_order]
         digest = hashlib.blake2b(repr(labels).encode(), digest_size=8).hexdigest()
         with phase("fshard::check_unit_order"):
@@ -816,6 +839,7 @@ class RootState:
 
     def _final_callback(self) -> None:
         self._callback_queued = False
+        self.check_step_order()  # (if no unit's pre-backward ran in this backward)
         with phase("fshard::final_callback"):
             for group in self.groups:
                 syncing = group.requires_gradient_sync or group.reduce_scatter_while_accumulating
@@ -843,6 +867,7 @@ class RootState:
                         _UNSYNCED.add(group)
                 group.end_backward()
             self._grad_forward_pending = False
+            self._next_step()
             self.hidden_kept = False  # every unit was freed
             if self._checking:
                 self.check_collective_order("backward")
@@ -862,6 +887,7 @@ class RootState:
         )
         self._callback_queued = False
         self._grad_forward_pending = False
+        self._next_step()
         pending, self._pending_reduces = self._pending_reduces, []
         for item in pending:
             item.discard()
@@ -1029,9 +1055,6 @@ def _pre_forward(
     if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
-    if group.order_mark != root.forwards:  # its first call in this forward of the root
-        group.order_mark = root.forwards
-        root.step_order.append(group)
     group.ran_since_backward = True
     root.record(group)
     group.unshard()
@@ -1047,6 +1070,7 @@ def _pre_forward(
         if root._grad_forward_pending or _any_requires_grad(args, kwargs):
             ctx = _autograd_function_ctx()
         if ctx is not None:
+            root.note_run(group)
             # Without grad inside a forward with grad, or on inputs requiring grad, and within
             # an autograd.Function's forward: a reentrant checkpoint's segment. Its recompute,
             # if one comes in backward, arms the waiter; until then the unit's backward is not
@@ -1059,6 +1083,7 @@ def _pre_forward(
         return args, kwargs
     group.grad_forward_ran = True
     group.backward_may_come = True
+    root.note_run(group)
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
     wrapped = _wrap_inputs(group, args, kwargs)
@@ -1293,6 +1318,7 @@ def _pre_backward(
     group: ParamGroup, grad: torch.Tensor | None, versions: tuple[int, ...] | None
 ) -> None:
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    root.check_step_order()  # the first pre-backward of a backward: before its collectives
     group.check_unchanged_since_forward(versions)
     if torch.is_grad_enabled():
         # Autograd runs hooks with grad mode on only in a backward with create_graph=True.
