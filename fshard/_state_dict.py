@@ -348,13 +348,16 @@ def _local_rows(full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     return full.narrow(0, layout.row_offset, layout.local_shape[0])
 
 
-def _same_layout(value: DTensor, slot: ParamSlot) -> bool:
+def _on_slot_mesh(value: DTensor, slot: ParamSlot) -> bool:
+    """Whether ``value`` has the param's mesh and placements."""
     info = slot.mesh_info
-    return (
-        value.device_mesh == info.mesh
-        and tuple(value.placements) == info.placements(slot.layout.replicated)
-        and value.to_local().shape == slot.layout.local_shape
+    return value.device_mesh == info.mesh and tuple(value.placements) == info.placements(
+        slot.layout.replicated
     )
+
+
+def _same_layout(value: DTensor, slot: ParamSlot) -> bool:
+    return _on_slot_mesh(value, slot) and value.to_local().shape == slot.layout.local_shape
 
 
 def _foreign_shard(what: str, value: torch.Tensor, slot: ParamSlot) -> str | None:
@@ -365,12 +368,7 @@ def _foreign_shard(what: str, value: torch.Tensor, slot: ParamSlot) -> str | Non
     and ``torch.load`` on another rank: a sharded state dict saved by rank 0 and loaded on every
     rank would give each rank rank 0's rows, silently.
     """
-    info = slot.mesh_info
-    if (
-        not isinstance(value, DTensor)
-        or value.device_mesh != info.mesh
-        or tuple(value.placements) != info.placements(slot.layout.replicated)
-    ):
+    if not isinstance(value, DTensor) or not _on_slot_mesh(value, slot):
         return None  # (laid out otherwise: gathered whole, with its own mesh's collectives)
     theirs = value.device_mesh.get_coordinate()
     mine = slot.mesh_info.mesh.get_coordinate()
@@ -1189,30 +1187,24 @@ def _placeholder_state(optim: torch.optim.Optimizer) -> dict[torch.Tensor, dict[
     closure (LBFGS), gets none.
     """
     groups = optim.param_groups
-    if not groups or any("lr" not in g for g in groups):
+    chosen = [[p for p in g["params"] if p.requires_grad and p not in optim.state] for g in groups]
+    if not any(chosen) or any("lr" not in g for g in groups):
         return {}
     saved_params: list[list[torch.Tensor]] = []
     saved_hyper: list[dict[str, Any]] = []
     saved_grads = []
-    for group in groups:
+    for group, params in zip(groups, chosen, strict=True):
         saved_params.append(group["params"])
-        chosen = [p for p in group["params"] if p.requires_grad and p not in optim.state]
-        group["params"] = chosen
+        group["params"] = params
         saved_hyper.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
         for k, v in saved_hyper[-1].items():
             if isinstance(v, torch.Tensor):
                 group[k] = torch.zeros_like(v)
             elif isinstance(v, (int, float)):
                 group[k] = 0.0
-        for p in chosen:
+        for p in params:
             saved_grads.append((p, p.grad))
             p.grad = torch.zeros_like(p)
-    if not saved_grads:
-        for group, params in zip(groups, saved_params, strict=True):
-            group["params"] = params
-        for group, hyper in zip(groups, saved_hyper, strict=True):
-            group.update(hyper)
-        return {}
     step = type(optim).step
     step = getattr(step, "__wrapped__", step)  # torch's wrapper runs the step hooks
     made: dict[torch.Tensor, dict[str, Any]] = {}
