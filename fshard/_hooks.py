@@ -628,7 +628,7 @@ class RootState:
         # turns prefetch off: ranks that ran different units then issue as many collectives as
         # each other where they can, so the check names the first difference instead of the
         # step hanging until the timeout on a prefetch the other ranks never issued.
-        self._check_every_step = os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")
+        self._check_every_step = debug_checks()
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
         self._grad_forward_pending = False
         self.warned_sharded_use = False  # see _used_while_sharded in _group
@@ -1455,6 +1455,11 @@ def _check_meshes(root: ParamGroup, groups: list[ParamGroup]) -> None:
     )
 
 
+def debug_checks() -> bool:
+    """Whether ``FSHARD_DEBUG`` is set (to anything but ``0``): see RootState."""
+    return os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")
+
+
 # Modules whose forward passes their children's parameters to a function instead of calling
 # the children: a unit made of such a child is never gathered before its parameters are read.
 READS_CHILDREN: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -1470,13 +1475,14 @@ def _check_units_are_called(module: nn.Module, groups: list[ParamGroup]) -> None
             continue
         parts = g.fqn.split(".")
         for depth in range(len(parts) - 1, 0, -1):
-            outer = module.get_submodule(".".join(parts[:depth]))
+            where = ".".join(parts[:depth])
+            outer = module.get_submodule(where)
             if isinstance(outer, READS_CHILDREN):
                 problems.add(
-                    f"unit {g.label} is inside {type(outer).__name__} "
-                    f"{'.'.join(parts[:depth])!r}, whose forward reads its submodules' "
-                    "parameters without calling them, so the unit would never be gathered; "
-                    f"call fully_shard on {'.'.join(parts[:depth])!r} (or a module above it) instead"
+                    f"unit {g.label} is inside {type(outer).__name__} {where!r}, whose forward "
+                    "reads its submodules' parameters without calling them, so the unit would "
+                    f"never be gathered; call fully_shard on {where!r} (or a module above it) "
+                    "instead"
                 )
                 break
     problems.raise_if_any(ValueError)
@@ -1588,7 +1594,7 @@ def _fingerprint(module: nn.Module, groups: list[ParamGroup]) -> list[tuple[Any,
             )
         )
     # FSHARD_DEBUG turns prefetch off and adds a check to every step: collectives of its own.
-    rows.append(("debug", os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")))
+    rows.append(("debug", debug_checks()))
     return rows
 
 

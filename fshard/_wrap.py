@@ -18,10 +18,10 @@ error, because containers have no forward and their unit could never gather.
 ``nn.MultiheadAttention.forward`` never calls its ``out_proj``: it passes ``out_proj.weight`` to
 ``F.multi_head_attention_forward`` directly. A unit made of ``out_proj`` would never be gathered,
 and the attention would compute with this rank's shard (a wrong result, or a shape error
-elsewhere). So no policy looks inside such a module (``_OPAQUE``), the root included: it can be
-a unit itself (``by_class(nn.MultiheadAttention)``), or its parameters stay with the unit that
-holds it. ``policy.descends(module)`` is asked of every module, the root too, before looking
-inside it.
+elsewhere). So no policy looks inside such a module (``READS_CHILDREN``), the root included:
+it can be a unit itself (``by_class(nn.MultiheadAttention)``), or its parameters stay with the
+unit that holds it. ``policy.descends(module)`` is asked of every module, the root too, before
+looking inside it.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ logger = logging.getLogger("fshard")
 
 M = TypeVar("M", bound=nn.Module)
 
-# Modules whose forward reads their children's parameters directly (without calling the
-# children), so a unit below them would never be gathered: no policy looks inside them (see
-# [Note: modules that read their children's parameters]; a unit placed there by hand is
-# refused at the root's first forward). FSDP1's size policy does not wrap them either, so
+# READS_CHILDREN: modules whose forward reads their children's parameters directly (without
+# calling the children), so a unit below them would never be gathered: no policy looks inside
+# them (see [Note: modules that read their children's parameters]; a unit placed there by hand
+# is refused at the root's first forward). FSDP1's size policy does not wrap them either, so
 # by_size never selects one.
-_OPAQUE = READS_CHILDREN
 
 
 class WrapPolicy(abc.ABC):
@@ -188,12 +187,12 @@ class BySize(WrapPolicy):
             raise ValueError(f"by_size: min_num_params must be an int >= 0, got {n!r}")
 
     def selects(self, module: nn.Module, unowned_numel: int) -> bool:
-        if isinstance(module, _CONTAINERS + _OPAQUE):
+        if isinstance(module, _CONTAINERS + READS_CHILDREN):
             return False
         return unowned_numel >= self.min_num_params
 
     def descends(self, module: nn.Module) -> bool:
-        return not isinstance(module, _OPAQUE)
+        return not isinstance(module, READS_CHILDREN)
 
 
 def by_class(*classes: type[nn.Module] | str) -> ByClass:
@@ -367,7 +366,7 @@ def _check_policy(policy: object, where: str) -> Policy:
 def _descends(policy: Policy, module: nn.Module) -> bool:
     """Whether ``select_modules`` looks inside ``module`` (see [Note: modules that read their
     children's parameters])."""
-    if isinstance(module, _OPAQUE):
+    if isinstance(module, READS_CHILDREN):
         return False
     return policy.descends(module) if isinstance(policy, WrapPolicy) else True
 
