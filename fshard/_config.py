@@ -725,12 +725,13 @@ def _parse_parallelism(parser: _Parser, section: object) -> dict[str, int]:
         return sizes
     valid = sorted(_PARALLELISM_PREFIX + name for name in (*_PARALLELISM_SIZES, *_PARALLELISM_OTHER))
     for key, value in section.items():
-        name = key.removeprefix(_PARALLELISM_PREFIX) if isinstance(key, str) else None
-        if isinstance(key, str) and key.startswith(_PARALLELISM_PREFIX) and name in _PARALLELISM_SIZES:
+        prefixed = isinstance(key, str) and key.startswith(_PARALLELISM_PREFIX)
+        name = key.removeprefix(_PARALLELISM_PREFIX) if prefixed else None
+        if name in _PARALLELISM_SIZES:
             size = parser.integer(key, value, 1)
             if size is not None:
                 sizes[name] = size
-        elif not (isinstance(key, str) and key.startswith(_PARALLELISM_PREFIX) and name in _PARALLELISM_OTHER):
+        elif name not in _PARALLELISM_OTHER:
             _unknown_key(parser, key, valid, "parallelism_config")
     for name, what in _NOT_DATA_PARALLEL.items():
         if sizes[name] > 1:

@@ -559,7 +559,8 @@ def save(
     atomic (written to a temporary sibling directory, then renamed), so a crash leaves the
     previous checkpoint at ``path`` loadable, and a failed save removes its partial copy. ``path``
     must be new, an empty directory or an fshard checkpoint (whose files are replaced; files
-    you added to it, a ``config.json`` or a tokenizer, are kept); anything else is refused. Buffers are saved from rank 0. ``extra`` is per-rank user state: JSON-like
+    you added to it, a ``config.json`` or a tokenizer, are kept); anything else is refused.
+    Buffers are saved from rank 0. ``extra`` is per-rank user state: JSON-like
     values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
     ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 

@@ -270,8 +270,8 @@ def plan_launch(
     Flags win over the config file, which wins over the defaults (one machine, one process,
     127.0.0.1, a free port). Several machines need an address for machine 0 (a flag or
     ``main_process_ip``); on one machine the file's ``main_process_ip`` is not used (as in
-    ``accelerate launch``), only its ``main_process_port``. Raises ``LaunchError`` naming the flag or key for an impossible
-    layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
+    ``accelerate launch``), only its ``main_process_port``. Raises ``LaunchError`` naming the
+    flag or key for an impossible layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
     process's environment; left over from an earlier launch or an export) is removed for the
     script, so that ``fshard.from_config(model)`` never applies a file this launch was not given.
 
@@ -461,6 +461,8 @@ def _unstorable_in_safetensors(tensors: dict[str, Any]) -> str:
     """The dtypes safetensors has no code for (complex128, complex32), with their keys, or ''."""
     import safetensors.torch
 
+    from fshard._errors import first_few
+
     known = getattr(safetensors.torch, "_SIZE", None)  # its dtype table (not public)
     if not isinstance(known, dict):
         return ""  # (then save_file's own error is reported)
@@ -468,10 +470,7 @@ def _unstorable_in_safetensors(tensors: dict[str, Any]) -> str:
     for key, tensor in tensors.items():
         if tensor.dtype not in known:
             by_dtype.setdefault(str(tensor.dtype).removeprefix("torch."), []).append(key)
-    return "; ".join(
-        f"{dtype} ({', '.join(map(repr, keys[:3]))}{', ...' if len(keys) > 3 else ''})"
-        for dtype, keys in by_dtype.items()
-    )
+    return "; ".join(f"{dtype} ({first_few([repr(k) for k in keys])})" for dtype, keys in by_dtype.items())
 
 
 def _newest_inside_hint(path: str) -> str:
