@@ -662,7 +662,7 @@ class RootState:
     def on_root_pre_forward(self) -> None:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
-        self._check_params_in_place()
+        check_params_in_place(self.groups)
         if self.root.training_state is TrainingState.FORWARD:
             self.recover_from_aborted_forward()
         self.finish_reduces()
@@ -704,29 +704,6 @@ class RootState:
                 self.hidden_kept = True
         if self._check_every_step and not self._grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
-
-    def _check_params_in_place(self) -> None:
-        """Each module still holds the parameter fshard manages (its shard, or its gathered
-        copy). One put there since (``block.lin.weight = nn.Parameter(...)``, weights tied
-        anew) would be silently replaced by the old shard at the next gather: refuse it."""
-        for group in self.groups:
-            for slot in group.slots:
-                for module, name in slot.registrations:
-                    current = module._parameters.get(name)
-                    if (
-                        current is slot.sharded_param
-                        or current is slot.unsharded_param
-                        or not isinstance(current, nn.Parameter)
-                    ):
-                        continue
-                    raise ValueError(
-                        f"fshard: parameter {slot.fqn!r} of unit {group.label} was replaced "
-                        f"after fully_shard ({type(module).__name__}.{name} = another "
-                        "Parameter); fshard manages the one it sharded and would put it back. "
-                        "Change its values in place instead (with torch.no_grad(): "
-                        "p.to_local().copy_(...), or fshard.load_state_dict), or replace it "
-                        "before calling fully_shard."
-                    )
 
     def _next_step(self) -> None:
         if self.reference_order is None and self.step_order:
@@ -1132,12 +1109,50 @@ def _refuse_functorch_differentiation(group: ParamGroup) -> None:
         )
 
 
+def check_params_in_place(groups: list[ParamGroup], *, parameters: bool = True) -> None:
+    """Each module still holds the parameter fshard manages (its shard, or its gathered
+    copy). One put there since (``block.lin.weight = nn.Parameter(...)``, weights tied
+    anew) would be silently replaced by the old shard at the next gather, and a tensor
+    substituted for the call (``torch.func.functional_call``) would be overwritten by the
+    gathered copy: refuse both. Before root init (``parameters=False``) only the tensors:
+    a parameter tied since ``fully_shard`` is placed by root init."""
+    for group in groups:
+        for slot in group.slots:
+            for module, name in slot.registrations:
+                current = module._parameters.get(name)
+                if current is None or current is slot.sharded_param or current is slot.unsharded_param:
+                    continue
+                if not isinstance(current, nn.Parameter):
+                    raise ValueError(
+                        f"fshard: parameter {slot.fqn!r} of unit {group.label} holds another "
+                        f"tensor ({type(module).__name__}.{name} is a "
+                        f"{type(current).__name__} of shape {list(current.shape)}), as "
+                        "torch.func.functional_call and torch.nn.utils.stateless put there "
+                        "for one call; fshard would overwrite it with the gathered parameter "
+                        "and compute with the model's own weights. Calling a sharded model "
+                        "with substituted parameters is not supported: copy the values into "
+                        "the shards instead (fshard.load_state_dict, or with torch.no_grad(): "
+                        "p.to_local().copy_(...)), or call an unsharded copy of the module."
+                    )
+                if not parameters:
+                    continue
+                raise ValueError(
+                    f"fshard: parameter {slot.fqn!r} of unit {group.label} was replaced "
+                    f"after fully_shard ({type(module).__name__}.{name} = another "
+                    "Parameter); fshard manages the one it sharded and would put it back. "
+                    "Change its values in place instead (with torch.no_grad(): "
+                    "p.to_local().copy_(...), or fshard.load_state_dict), or replace it "
+                    "before calling fully_shard."
+                )
+
+
 def _pre_forward(
     group: ParamGroup, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if _PEEK_TRANSFORMS is not None and _PEEK_TRANSFORMS() is not None:
         _refuse_functorch_differentiation(group)
     if group.root is None:
+        check_params_in_place(units_under(group.module), parameters=False)  # before root init
         _lazy_init(group)
     root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init
     if in_backward():

@@ -381,6 +381,38 @@ def test_a_parameter_replaced_after_fully_shard_is_an_error(when):
     )  # fmt: skip
 
 
+def _functional_call(first: bool):
+    from torch.func import functional_call
+
+    model = _mlp()
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    x = torch.randn(4, 5)
+    with torch.no_grad():
+        before = None if first else model(x)
+        substitute = {name: torch.randn(p.full_shape) for name, p in model.named_parameters()}
+        try:
+            functional_call(model, substitute, (x,))
+        except ValueError as exc:
+            message = str(exc)
+        else:
+            message = "no error"
+        after = model(x)  # the model is left as it was
+        reference = _mlp()(x)
+    return message, before is None or torch.equal(before, after), torch.allclose(after, reference)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-call", "after-a-forward"])
+def test_functional_call_with_substituted_parameters_is_an_error(first):
+    """torch.func.functional_call puts plain tensors in the modules for one call: fshard
+    overwrote them with its gathered parameters (the model's own output, silently), and as the
+    first call root init indexed the substitutes, so the next forward used raw shards."""
+    for message, unchanged, right in get_pool(2).run(_functional_call, first):
+        assert "holds another tensor" in message and "functional_call" in message, message
+        assert "fshard.load_state_dict" in message
+        assert unchanged and right
+
+
 def _ignoring_a_number():
     fshard.fully_shard(_mlp(), mesh=mesh_for((2,)), ignored_params=[_mlp()[0].weight, 3])
 
