@@ -329,6 +329,8 @@ def no_sync(module: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None
     Until that step the accumulated sum is fshard's, not in the parameters' ``.grad`` (which
     hold shards): ``optimizer.zero_grad()`` between micro-batches does not drop it (as in
     FSDP2; under DDP it would), so run every micro-batch you start to its synchronised step.
+    (With ``reduce_scatter=True`` on a 1D mesh nothing waits: each micro-batch's shard is
+    added to ``.grad`` at once, and ``zero_grad()`` drops it, as in FSDP2.)
 
     Example:
         >>> with fshard.no_sync(model):               # doctest: +SKIP
