@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
-from fshard._errors import ProblemList, RankMismatchError
+from fshard._errors import ProblemList, RankMismatchError, first_few
 from fshard._group import ParamGroup, ShardedState
 from fshard._hooks import (
     check_prefetch_alike,
@@ -192,6 +192,19 @@ def fully_shard(
             problems.add(problem)
             continue
         managed.append((name, param))
+    on_meta = [repr(n) for n, p in managed if p.is_meta]
+    if on_meta and len(on_meta) < len(managed):
+        # One flat shard per dtype: a meta one would take the real values with it (and
+        # materialize would draw new ones), a real one cannot copy the meta values.
+        real = [repr(n) for n, p in managed if not p.is_meta]
+        problems.add(
+            f"the unit's parameters {first_few(on_meta)} are on the meta device but "
+            f"{first_few(real)} hold values; a unit's parameters must all be on meta "
+            "(fshard.materialize initialises them after sharding) or all hold values. Initialise "
+            "the meta ones first (module.to_empty(device=...), then reset_parameters()), or "
+            "call fully_shard on the modules holding them before this one, so that they make "
+            "units of their own"
+        )
     problems.raise_if_any(ValueError)
 
     slots: list[ParamSlot] = []

@@ -17,13 +17,18 @@ module's: a known difference.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from fshard._errors import ProblemList
+from fshard._errors import ProblemList, first_few
 from fshard._hooks import units_under
 from fshard._param import _set_data
 from fshard._sharded import is_sharded
@@ -46,7 +51,11 @@ def materialize(
     model's initialisation lives in its modules' ``reset_parameters()`` (or ``init_fn``): modules
     are initialised one at a time in construction order, drawing from the global generator as
     eager construction does. A model that re-initialises its weights in ``__init__`` (GPT-2 /
-    Hugging Face ``_init_weights`` style) needs ``init_fn`` doing the same per module.
+    Hugging Face ``_init_weights`` style) needs ``init_fn`` doing the same per module. An
+    initialiser that draws into a submodule's parameter (which holds this rank's shard by
+    then) is an error naming it (fills such as ``nn.init.zeros_`` are fine: they give the
+    same rows), and a module that owns no parameters but has an initialiser, which
+    materialize does not run (``nn.Transformer``'s), is named in a warning.
     Initialisers run on the mesh's device, so on a CUDA mesh they draw from the CUDA generator:
     the result equals a model built under ``torch.device("cuda")`` with the same seed, not one
     built on the CPU and moved. Returns ``model``.
@@ -73,27 +82,92 @@ def materialize(
     device = groups[0].mesh_info.device
     meta_params = {id(p) for p in model.parameters() if p.is_meta}
     _check_initialisers(model, meta_params, init_fn)
-    # 1. Real storage for every meta shard (zeros until initialised below).
-    for group in groups:
-        if any(b.flat_shard.is_meta for b in group.buckets):
-            zeros = [
-                torch.zeros(s.layout.local_shape, dtype=s.sharded_param.dtype, device=device)
-                for s in group.slots
-            ]
-            group.set_slots(group.slots, zeros)
-    # 2. Initialise module by module, children before their parent (see the module docstring).
-    done: set[int] = set()
-    for module in _post_order(model, set()):
-        own = list(module._parameters.items())
-        meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
-        needs = [(n, p) for n, p in own if p is not None and id(p) in meta_params]
-        if not needs and not meta_buffers:
-            continue
-        for name in meta_buffers:
-            buffer = module._buffers[name]
-            module._buffers[name] = torch.empty_like(buffer, device=device)  # type: ignore[arg-type]  # not None above
-        _init_module(module, needs, init_fn, done, device)
+    names = {id(m): name or "<root>" for name, m in model.named_modules()}
+    _warn_skipped_initialisers(model, meta_params, init_fn, names)
+    with _rnn_weight_refs_dropped(model):
+        _check_weakrefs(model)
+        # 1. Real storage for every meta shard (zeros until initialised below).
+        for group in groups:
+            if any(b.flat_shard.is_meta for b in group.buckets):
+                zeros = [
+                    torch.zeros(s.layout.local_shape, dtype=s.sharded_param.dtype, device=device)
+                    for s in group.slots
+                ]
+                group.set_slots(group.slots, zeros)
+        # 2. Initialise module by module, children before their parent (see the module
+        # docstring).
+        done: set[int] = set()
+        for module in _post_order(model, set()):
+            own = list(module._parameters.items())
+            meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+            needs = [(n, p) for n, p in own if p is not None and id(p) in meta_params]
+            if not needs and not meta_buffers:
+                continue
+            for name in meta_buffers:
+                buffer = module._buffers[name]
+                module._buffers[name] = torch.empty_like(buffer, device=device)  # type: ignore[arg-type]  # not None above
+            _init_module(module, needs, init_fn, done, device, names[id(module)])
     return model
+
+
+@contextlib.contextmanager
+def _rnn_weight_refs_dropped(model: nn.Module) -> Iterator[None]:
+    """RNN modules (``nn.GRU``, ``nn.LSTM``) hold weak references to their parameters, and a
+    tensor with weak references cannot be given storage in place (``torch.utils.swap_tensors``
+    refuses it): drop them meanwhile, then let each module take its parameters again, as
+    ``nn.RNNBase._apply`` does around ``module.to(...)``."""
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for rnn in rnns:
+            rnn._init_flat_weights()
+
+
+def _check_weakrefs(model: nn.Module) -> None:
+    """Before anything changes: a meta parameter something else holds a weak reference to
+    cannot get storage in place."""
+    problems = ProblemList("materialize")
+    for name, param in model.named_parameters():
+        if param.is_meta and weakref.getweakrefcount(param):
+            problems.add(
+                f"parameter {name!r} is held by a weak reference (from a module or a library "
+                "that tracks it), so it cannot be given storage in place"
+            )
+    problems.raise_if_any(
+        ValueError,
+        hint="Build the module holding it on the device instead of under torch.device('meta').",
+    )
+
+
+def _warn_skipped_initialisers(
+    model: nn.Module,
+    meta_params: set[int],
+    init_fn: Callable[[nn.Module], None] | None,
+    names: dict[int, str],
+) -> None:
+    """A module that owns no meta tensors is not initialised, though it may have an
+    initialiser that eager construction runs over its submodules (``nn.Transformer``'s
+    ``_reset_parameters``): say so, since the result then differs from eager init."""
+    if init_fn is not None:
+        return
+    skipped = []
+    for module in model.modules():
+        owns = any(p is not None and id(p) in meta_params for p in module._parameters.values())
+        owns = owns or any(b is not None and b.is_meta for b in module._buffers.values())
+        below = any(id(p) in meta_params for p in module.parameters())
+        if not owns and below and _initialiser(module) is not None:
+            skipped.append(f"{names[id(module)]!r} ({type(module).__name__})")
+    if skipped:
+        warnings.warn(
+            f"fshard.materialize does not run the initialiser of module(s) {first_few(skipped)}: "
+            "they own no parameters, and materialize initialises each module's own. If it "
+            "(re)initialises its submodules, as eager construction may do, the result differs "
+            "from eager init: pass init_fn doing that per module.",
+            stacklevel=3,
+        )
 
 
 def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
@@ -142,14 +216,17 @@ def _init_module(
     init_fn: Callable[[nn.Module], None] | None,
     done: set[int],
     device: torch.device,
+    fqn: str,
 ) -> None:
     originals = dict(module._parameters)
     for name, param in needs:
         shape = param.full_shape if is_sharded(param) else param.shape
         full = torch.empty(shape, dtype=param.dtype, device=device)
         module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+    # The shards it must not touch: its submodules' (and its own that it does not initialise).
+    guard = _ShardWrites([(n, p) for n, p in module.named_parameters() if is_sharded(p)])
     try:
-        with torch.no_grad():
+        with torch.no_grad(), guard:
             if init_fn is not None:
                 init_fn(module)
             else:
@@ -160,6 +237,18 @@ def _init_module(
     finally:
         initialised = dict(module._parameters)
         module._parameters.update(originals)
+    if guard.writes:
+        who = "init_fn" if init_fn is not None else f"{type(module).__name__}.{_initialiser(module).__name__}()"  # type: ignore[union-attr]  # checked above
+        raise ValueError(
+            f"materialize: {who} of module {fqn!r} writes into parameter(s) "
+            f"{first_few(guard.writes)}, which are not its own to initialise (a submodule's) "
+            "and hold this rank's shard by then: materialize initialises one module's own "
+            "parameters at a time, on a full-size copy, so these would get the same numbers on "
+            "every rank (and fans computed from the shard's shape). Only fills (constant_, zeros_, "
+            "fill_, zero_) are allowed there. Make each module's initialiser draw only its own "
+            "parameters (or pass init_fn doing that per module), or initialise the model before "
+            "sharding it."
+        )
     for name, param in needs:
         if id(param) in done:
             continue  # tied: the first owner initialised it; this run only advanced the RNG
@@ -174,3 +263,47 @@ def _init_module(
                 param.copy_(local.to(param.device))
             else:  # not sharded (ignored_params): the same object, now with real storage
                 _set_data(param, value.detach().to(device))
+
+
+class _ShardWrites(TorchFunctionMode):
+    """Records in-place writes other than fills into ``shards`` (or views of them) while a
+    module's initialiser runs. A fill gives the full tensor's rows whatever the shape; a draw
+    (``normal_``, ``uniform_``) or a shape-dependent init (``xavier_*``, ``orthogonal_``)
+    applied to a shard does not. Decided by the calls made, the same on every rank."""
+
+    # Tensor methods, and nn.init's functions (which pass the tensor as keyword ``tensor``).
+    _FILLS = frozenset({"fill_", "zero_", "constant_", "zeros_", "ones_"})
+
+    def __init__(self, shards: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self._watched: list[tuple[str, torch.Tensor]] = list(shards)
+        self.writes: list[str] = []
+
+    def _name_of(self, value: object) -> str | None:
+        if isinstance(value, torch.Tensor):
+            for name, watched in self._watched:
+                if value is watched:
+                    return name
+        return None
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        target = args[0] if args else kwargs.get("tensor")
+        name = self._name_of(target)
+        if name is None:
+            return result
+        op = getattr(func, "__name__", "")
+        if op.endswith("_") and not op.startswith("__") and op not in self._FILLS:
+            write = f"{name!r} ({op})"
+            if write not in self.writes:
+                self.writes.append(write)
+        elif isinstance(result, torch.Tensor) and torch._C._is_alias_of(result, target):  # type: ignore[attr-defined]  # private, stable since 1.x
+            self._watched.append((name, result))  # p.data, p.view(...), p[0]: writes count too
+        return result

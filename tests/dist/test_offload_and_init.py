@@ -260,3 +260,149 @@ def test_materialize_names_modules_it_cannot_initialise():
     for exc in info.value.errors.values():
         assert isinstance(exc, ValueError)
         assert "module '1' (NoReset) owns meta parameters" in str(exc) and "init_fn" in str(exc)
+
+
+class DrawsIntoChild(nn.Module):
+    """A parent whose initialiser draws a submodule's weight too (``how``: through
+    ``nn.init``, or Hugging Face style through ``.data``) and fills the submodule's bias."""
+
+    def __init__(self, how: str = "init") -> None:
+        super().__init__()
+        self.how = how
+        self.child = nn.Linear(6, 8)
+        self.scale = nn.Parameter(torch.empty(8))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.scale)
+        nn.init.zeros_(self.child.bias)  # a fill: the same rows sharded or not
+        if self.how == "init":
+            nn.init.xavier_uniform_(self.child.weight)
+        elif self.how == "data":
+            self.child.weight.data.normal_(std=0.02)
+
+
+def _draws_into_child_worker(how: str):
+    torch.manual_seed(0)
+    eager = DrawsIntoChild(how)
+    with torch.device("meta"):
+        lazy = DrawsIntoChild(how)
+    fshard.fully_shard(lazy, mesh=mesh_for((2,)))
+    torch.manual_seed(0)
+    fshard.materialize(lazy)
+    return all(torch.equal(p.full_tensor(), eager.get_parameter(n)) for n, p in lazy.named_parameters())
+
+
+@pytest.mark.parametrize("how", ["init", "data"])
+def test_materialize_refuses_an_initialiser_drawing_into_a_submodules_shard(how):
+    """The parent's initialiser runs after its child was sharded: its draws filled the shard
+    (the same numbers on every rank; xavier's fan from the shard's shape), silently unlike
+    eager init. Fills are fine, and a parent that only fills matches eager."""
+    from fshard.testing import RanksFailed
+
+    with pytest.raises(RanksFailed) as info:
+        get_pool(2).run(_draws_into_child_worker, how)
+    op = "uniform_" if how == "init" else "normal_"
+    for exc in info.value.errors.values():
+        assert isinstance(exc, ValueError), exc
+        message = str(exc)
+        assert "DrawsIntoChild.reset_parameters() of module '<root>'" in message, message
+        assert f"'child.weight' ({op})" in message and "'child.bias'" not in message, message
+    assert get_pool(2).run(_draws_into_child_worker, "fills only") == [True, True]
+
+
+class InitsChildren(nn.Module):
+    """Owns no parameters; eager construction runs its initialiser over its children (as
+    nn.Transformer's ``_reset_parameters`` does), which materialize cannot repeat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        nn.init.normal_(self.a.weight, std=10.0)
+
+
+def _skipped_initialiser_worker():
+    import warnings
+
+    with torch.device("meta"):
+        model = nn.Sequential(InitsChildren(), nn.Linear(4, 2))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fshard.materialize(model)
+    return [str(w.message) for w in caught if "fshard.materialize" in str(w.message)]
+
+
+def test_materialize_warns_about_an_initialiser_it_does_not_run():
+    for messages in get_pool(2).run(_skipped_initialiser_worker):
+        assert len(messages) == 1, messages
+        assert "module(s) '0' (InitsChildren)" in messages[0] and "init_fn" in messages[0]
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x)[0])
+
+
+def _rnn_meta_worker():
+    mesh = mesh_for((2,))
+    torch.manual_seed(0)
+    eager = Recurrent()
+    with torch.device("meta"):
+        lazy = Recurrent()
+    for model in (eager, lazy):
+        fshard.fully_shard(model.gru, mesh=mesh)
+        fshard.fully_shard(model, mesh=mesh)
+    torch.manual_seed(0)
+    fshard.materialize(lazy)
+    x = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    outputs = [model(x) for model in (eager, lazy)]
+    for out in outputs:
+        out.sum().backward()
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (eager, lazy)]
+    return torch.equal(*outputs) and all(torch.equal(g, grads[1][n]) for n, g in grads[0].items())
+
+
+def test_materialize_gives_an_rnn_its_storage():
+    """nn.GRU / nn.LSTM keep weak references to their parameters, which
+    torch.utils.swap_tensors refuses: materialize raised torch's "Cannot swap t1 because it has
+    weakref associated with it", leaving the model half materialized."""
+    assert get_pool(2).run(_rnn_meta_worker) == [True, True]
+
+
+def _partly_meta_worker(own_unit: bool):
+    torch.manual_seed(0)
+    pretrained = nn.Linear(4, 6)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    model[0].load_state_dict(pretrained.state_dict(), assign=True)  # a loaded backbone, a new head
+    mesh = mesh_for((2,))
+    if own_unit:
+        fshard.fully_shard(model[1], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    fshard.materialize(model)
+    return torch.equal(model[0].weight.full_tensor(), pretrained.weight.detach()) and not any(
+        p.is_meta for p in model.parameters()
+    )
+
+
+def test_a_unit_with_meta_and_loaded_parameters_is_refused():
+    """Its flat shard was made on meta: the loaded values were dropped (materialize drew new
+    ones), or, with the loaded parameter first, torch's "Cannot copy out of meta tensor"."""
+    from fshard.testing import RanksFailed
+
+    with pytest.raises(RanksFailed) as info:
+        get_pool(2).run(_partly_meta_worker, False)
+    for exc in info.value.errors.values():
+        assert isinstance(exc, ValueError), exc
+        assert "parameters '1.weight', '1.bias' are on the meta device but '0.weight', '0.bias' hold values" in str(exc)
+    # The way the message gives: the meta ones in a unit of their own.
+    assert get_pool(2).run(_partly_meta_worker, True) == [True, True]
