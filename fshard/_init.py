@@ -276,15 +276,12 @@ class _ShardWrites(TorchFunctionMode):
 
     def __init__(self, shards: list[tuple[str, torch.Tensor]]) -> None:
         super().__init__()
-        self._watched: list[tuple[str, torch.Tensor]] = list(shards)
+        self._watched = {id(t): (name, t) for name, t in shards}  # holding t keeps its id
         self.writes: list[str] = []
 
     def _name_of(self, value: object) -> str | None:
-        if isinstance(value, torch.Tensor):
-            for name, watched in self._watched:
-                if value is watched:
-                    return name
-        return None
+        found = self._watched.get(id(value))
+        return found[0] if found is not None and found[1] is value else None
 
     def __torch_function__(
         self,
@@ -305,5 +302,5 @@ class _ShardWrites(TorchFunctionMode):
             if write not in self.writes:
                 self.writes.append(write)
         elif isinstance(result, torch.Tensor) and torch._C._is_alias_of(result, target):  # type: ignore[attr-defined]  # private, stable since 1.x
-            self._watched.append((name, result))  # p.data, p.view(...), p[0]: writes count too
+            self._watched[id(result)] = (name, result)  # p.data, p.view(...), p[0]: writes count too
         return result
