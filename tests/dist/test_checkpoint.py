@@ -714,3 +714,30 @@ def test_saving_again_to_a_path_keeps_the_files_the_user_added(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["last"]
     # The stale rank-1 files of the 2-rank checkpoint are not carried into the 1-rank one.
     assert not (path / "extra" / "rank-00001.safetensors").exists()
+
+
+def _compiled_keys_task(path: str, save_inner: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    compiled = torch.compile(model, backend="eager")  # nothing compiles until it is called
+    ckpt.save(path, compiled._orig_mod if save_inner else compiled)
+    keys = sorted(ckpt.consolidate(path)) if dist.get_rank() == 0 else None
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    fshard.fully_shard(plain, mesh=mesh_for((2,)))
+    try:
+        ckpt.load(path, plain)
+    except ValueError as exc:
+        return keys, str(exc)
+    return keys, torch.equal(plain[0].weight.full_tensor(), model[0].weight.full_tensor())
+
+
+def test_a_compiled_model_saves_under_its_prefixed_keys_and_its_inner_module_under_plain_ones(tmp_path):
+    """The guide: torch.compile(model)'s checkpoint has _orig_mod. keys (its state_dict()'s) and
+    does not load into the plain model; the module it wraps (the one sharded) saves plainly."""
+    prefixed = get_pool(2).run(_compiled_keys_task, str(tmp_path / "compiled"), False)
+    assert prefixed[0][0] == ["_orig_mod.0.bias", "_orig_mod.0.weight", "_orig_mod.1.bias", "_orig_mod.1.weight"]
+    assert all("_orig_mod.0.weight" in message for _, message in prefixed)
+    inner = get_pool(2).run(_compiled_keys_task, str(tmp_path / "inner"), True)
+    assert inner[0][0] == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert all(loaded is True for _, loaded in inner)
