@@ -29,6 +29,17 @@ before anything is loaded or any other collective is issued. A plain tensor of t
 shard shape that equals the full shape cannot be told from a full tensor on its own rank; the
 ranks whose shard differs from the full shape refuse it, and the agreement brings their error
 to the others.
+
+[Note: meta tensors in a load]
+A tensor on the meta device has a shape and no data. In the state dict, one cannot be read:
+copying out of it fails in torch ("Cannot copy out of meta tensor") in the middle of the load,
+on the ranks that hold it only, and with ``broadcast_from_rank0`` in the middle of rank 0's
+scatter, while the others wait in it. In the model, a parameter or buffer on meta cannot be
+written: loads copy into the model's tensors (``assign`` is never used), and a copy into a meta
+tensor does nothing (torch only warns), so the load would report success and the forward fail.
+So both are problems of the agreed checks, naming the keys, before anything is sent or loaded.
+Only non-persistent buffers, which ``broadcast_from_rank0`` copies from rank 0's model, are
+replaced by the received tensor where they are on meta, as ``fshard.materialize`` allocates them.
 """
 
 from __future__ import annotations
@@ -677,13 +688,59 @@ def _check_keys(
 
 
 def _meta_problems(entries: list[_Entry]) -> list[str]:
-    on_meta = sorted({e.key for e in entries if e.slot is not None and _local(e.slot).is_meta})
-    if not on_meta:
+    """The model's parameters and buffers left on the meta device, which no load can fill.
+
+    See [Note: meta tensors in a load].
+    """
+    params: set[str] = set()
+    buffers: set[str] = set()
+    for e in entries:
+        if e.slot is not None:
+            if _local(e.slot).is_meta:
+                params.add(e.key)
+        elif isinstance(e.value, nn.Parameter):  # one fshard does not manage (ignored)
+            if e.value.is_meta:
+                params.add(e.key)
+        elif isinstance(e.value, torch.Tensor) and e.value.is_meta:
+            buffers.add(e.key)
+    problems = []
+    if params:
+        problems.append(
+            f"{len(params)} parameter(s) are on the meta device ({_some([repr(k) for k in sorted(params)])}); call "
+            "fshard.materialize(model) before loading weights into it"
+        )
+    if buffers:
+        problems.append(
+            f"{len(buffers)} buffer(s) are on the meta device ({_some([repr(k) for k in sorted(buffers)])}): a load "
+            "copies into the model's buffers, which leaves a meta buffer without data; call "
+            "fshard.materialize(model) (it allocates meta buffers too) before loading weights "
+            "into it"
+        )
+    return problems
+
+
+def _some(items: list[str]) -> str:
+    """The first five of ``items``, then "..." if there are more."""
+    return ", ".join(items[:5]) + (" ..." if len(items) > 5 else "")
+
+
+def _on_meta(value: Any) -> bool:
+    """Whether ``value`` is a tensor without data (on the meta device; a DTensor's local too)."""
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def _meta_value_problems(whats: list[str]) -> list[str]:
+    """One problem naming the state dict's tensors on the meta device (``[]`` if none).
+
+    See [Note: meta tensors in a load].
+    """
+    if not whats:
         return []
-    shown = ", ".join(repr(k) for k in on_meta[:5]) + (" ..." if len(on_meta) > 5 else "")
     return [
-        f"{len(on_meta)} parameter(s) are on the meta device ({shown}); call "
-        "fshard.materialize(model) before loading weights into it"
+        f"{len(whats)} tensor(s) of the state dict are on the meta device ({_some(whats)}): a meta "
+        "tensor holds no data (a weight that an empty-weights load, such as init_empty_weights "
+        "or low_cpu_mem_usage, left unfilled), so it cannot be loaded; pass a state dict whose "
+        "tensors hold their values"
     ]
 
 
@@ -740,6 +797,11 @@ def _load_everywhere(
         problems = ProblemList(where)
         problems.extend(_meta_problems(entries))
         missing, unexpected = _check_keys(entries, state_dict, strict, problems)
+        problems.extend(
+            _meta_value_problems(
+                [f"key {e.key!r}" for e in entries if _on_meta(state_dict.get(e.key))]
+            )
+        )
         problems.raise_if_any(ValueError)
     loaded: set[int] = set()
     rest: dict[str, Any] = {}
@@ -793,18 +855,33 @@ def _load_from_rank0(
             missing, unexpected = _check_keys(entries, state_dict, strict, problems)
             local_problems.extend(problems.items)
             described = {}
+            on_meta: list[str] = []
             for e in entries:
                 if e.key not in state_dict:
                     continue
-                meta = _broadcast_meta(f"key {e.key!r}", state_dict[e.key], local_problems)
+                meta = _broadcast_meta(f"key {e.key!r}", state_dict[e.key], local_problems, on_meta)
                 if meta is not None:
                     described[e.key] = meta
+            local_problems.extend(_meta_value_problems(on_meta))
+        empty = [key for key, _, _, buffer in _non_persistent_buffers(model) if buffer.is_meta]
+        if empty:
+            local_problems.append(
+                f"{len(empty)} non-persistent buffer(s) are on the meta device on rank {src} "
+                f"({_some([repr(k) for k in empty])}): broadcast_from_rank0 copies them from rank {src}'s model "
+                f"(they are in no state dict), so rank {src} must hold their values; build the "
+                f"model on rank {src} without torch.device('meta') (the other ranks may use it)"
+            )
     everyone = _mesh_all_gather_objects(
         info, (dist.get_rank(), local_problems, described, missing, unexpected), label=where
     )
-    problems = ProblemList(where)
+    found_on: dict[str, list[int]] = {}  # each problem once (a meta model is so on every rank)
     for rank, rank_problems, *_ in everyone:
-        problems.extend(f"(rank {rank}) {p}" if rank != src else p for p in rank_problems)
+        for p in rank_problems:
+            found_on.setdefault(p, []).append(rank)
+    problems = ProblemList(where)
+    for text, ranks in found_on.items():
+        plain = ranks == [src] or len(ranks) == len(everyone)
+        problems.add(text if plain else f"({_rank_list(ranks)}) {text}")
     problems.raise_if_any(ValueError)
     _, _, described, missing, unexpected = next(item for item in everyone if item[0] == src)
     assert_described: dict[str, Any] = described or {}
@@ -830,35 +907,46 @@ def _load_from_rank0(
             _receive_shard(e.slot, src, in_row, rep_src, source, e.key)
         # Non-persistent buffers (rotary tables, position ids) are in no state dict: take rank
         # 0's, so ranks that built the model on the meta device get real values too.
-        for key, buffer in _non_persistent_buffers(model):
+        received: dict[int, torch.Tensor] = {}
+        for key, module, name, buffer in _non_persistent_buffers(model):
             meta = ("tensor", tuple(buffer.shape), buffer.dtype)
             value = _broadcast_full(info, src, in_row, rep_src, buffer if is_src else None, meta, key)
-            buffer.copy_(value)
+            if buffer.is_meta:  # a copy into it would do nothing ([Note: meta tensors in a load])
+                module._buffers[name] = received.setdefault(id(buffer), value)  # shared: once
+            else:
+                buffer.copy_(value)
     if rest:
         model.load_state_dict(rest, strict=False)
     return LoadResult(list(missing), list(unexpected))
 
 
-def _broadcast_meta(what: str, value: Any, problems: list[str]) -> tuple[Any, ...] | None:
+def _broadcast_meta(
+    what: str, value: Any, problems: list[str], on_meta: list[str]
+) -> tuple[Any, ...] | None:
     """How rank 0 announces a value it will send: ``("tensor", shape, dtype)`` (sent next) or
-    ``("object", value)``; a DTensor is a problem (``None``)."""
+    ``("object", value)``; a DTensor is a problem, and a meta tensor (which rank 0 could not
+    send: [Note: meta tensors in a load]) is added to ``on_meta`` (both ``None``)."""
     if isinstance(value, DTensor):
         problems.append(
             f"{what} is a DTensor; broadcast_from_rank0 loads a full state dict of plain tensors "
             "(load sharded state dicts on every rank instead)"
         )
         return None
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        on_meta.append(what)
+        return None
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
     return ("object", value)
 
 
-def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(key, owning module, attribute name, buffer)`` of each non-persistent buffer."""
     found = []
     for prefix, module in model.named_modules():
         for name, buffer in module._buffers.items():
             if buffer is not None and name in module._non_persistent_buffers_set:
-                found.append((f"{prefix}.{name}" if prefix else name, buffer))
+                found.append((f"{prefix}.{name}" if prefix else name, module, name, buffer))
     return found
 
 
@@ -1343,15 +1431,17 @@ def _optim_from_rank0(
             problems.append(str(exc))
         else:
             described: dict[str, Any] = {}
+            on_meta: list[str] = []
             for name, entries in saved.state.items():
                 if not isinstance(entries, Mapping):
                     problems.append(f"{where}: the state of {name!r} is not a mapping")
                     continue
                 described[name] = {}
                 for key, value in entries.items():
-                    meta = _broadcast_meta(f"state {key!r} of {name!r}", value, problems)
+                    meta = _broadcast_meta(f"state[{name!r}][{key!r}]", value, problems, on_meta)
                     if meta is not None:
                         described[name][key] = meta
+            problems.extend(_meta_value_problems(on_meta))
             skeleton = {"param_groups": [dict(g) for g in saved.groups], "state": described}
             if OPTIMIZER_CLASS_KEY in state_dict:
                 skeleton[OPTIMIZER_CLASS_KEY] = state_dict[OPTIMIZER_CLASS_KEY]
@@ -1361,7 +1451,8 @@ def _optim_from_rank0(
         failed.extend(p.removeprefix(f"{where}: ") for p in rank_problems)
     failed.raise_if_any(ValueError)
     skeleton = next(item[2] for item in everyone if item[0] == src)
-    assert skeleton is not None  # rank src had no problems
+    if skeleton is None:  # rank src had no problems, so it described its state dict
+        raise internal_error(f"{where}: rank {src} sent no description of its state dict")
     slots = {name: slot for name, slot in _param_names(_entries(model, where)).values() if slot is not None}
     in_row = _in_src_row(info, src)
     rep_src = _replicate_src(info, src)
@@ -1561,6 +1652,21 @@ def _check_state_shapes(
                 )
 
 
+def _meta_state(
+    saved: _SavedOptim, named_groups: list[list[tuple[str, ParamSlot | None]]]
+) -> list[str]:
+    """The saved state tensors on the meta device that the load would read, as
+    ``state['name']['key']`` ([Note: meta tensors in a load])."""
+    held = {n for group in named_groups for n, _ in group}
+    return [
+        f"state[{name!r}][{key!r}]"
+        for name, st in saved.state.items()
+        if name in held and isinstance(st, Mapping)
+        for key, value in st.items()
+        if _on_meta(value)
+    ]
+
+
 def _check_recorded_class(
     optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], where: str
 ) -> bool:
@@ -1688,6 +1794,9 @@ def _load_optim(
         matched, missing, unexpected = _match_groups(saved, named_groups, strict, problems)
         _check_state_shapes(saved, named_groups, problems)
         problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
+        if not check_only:  # (the values of a checkpoint are not read yet)
+            problems.extend(_meta_value_problems(_meta_state(saved, named_groups)))
+            problems.raise_if_any(ValueError)
         if not recorded:
             _check_unrecorded_kind(optim, saved, named_groups, matched, problems)
             problems.raise_if_any(ValueError, hint=_OTHER_CLASS_HINT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections import OrderedDict
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fshard
-from fshard.testing import get_pool, mesh_for
+from fshard.testing import RanksFailed, get_pool, mesh_for
 from tests.dist import _sd_common as C
 
 
@@ -262,7 +263,7 @@ def _plain_optim_errors_task(case):
 )
 def test_a_plain_state_dict_must_fit_the_param_groups(case, patterns):
     for message in get_pool(2).run(_plain_optim_errors_task, case):
-        for pattern in patterns + ["build the optimizer with the same param groups"]:
+        for pattern in [*patterns, "build the optimizer with the same param groups"]:
             assert pattern in message, message
 
 
@@ -576,3 +577,177 @@ def test_full_optim_state_dict_with_param_groups_ordered_per_rank():
     (a ``set`` of parameters orders them per process): gathered in each rank's own order, the
     rows of one parameter's state were joined with another's, under the wrong names."""
     assert all(get_pool(2).run(_full_optim_state_with_rank_dependent_order_task))
+
+
+# ------------------------------------------------------------- meta tensors in a load
+
+
+def _every_rank_raises_at_once(fn, *args, patterns) -> str:
+    """Run ``fn`` on 2 ranks: each raises the same ``ValueError`` holding ``patterns``, within
+    seconds (no rank waits in a collective for the timeout)."""
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        get_pool(2).run(fn, *args, timeout=30)
+    assert time.monotonic() - start < 15, "a rank waited in a collective"
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1], f"every rank must raise, only {sorted(errors)} did: {info.value}"
+    assert all(type(exc) is ValueError for exc in errors.values()), info.value
+    messages = {str(exc) for exc in errors.values()}
+    assert len(messages) == 1, f"the ranks raised different errors: {messages}"
+    [message] = messages
+    for pattern in patterns:
+        assert pattern in message, (pattern, message)
+    return message
+
+
+def _unchanged(tensors: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    for now, then in zip(tensors, before, strict=True):
+        assert torch.equal(now, then), "a failed load changed the model or the optimizer"
+
+
+def _meta_value_task(what: str, broadcast: bool) -> None:
+    """A tensor of the state dict on the meta device (a weight an empty-weights load left
+    unfilled): on rank 0 for ``broadcast``, else on rank 1 only (rank 0's dict is fine)."""
+    model = _linear_pair()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt)
+    holder = dist.get_rank() == (0 if broadcast else 1)
+    meta = torch.empty(6, device="meta")
+    if what == "model":
+        sd = fshard.full_state_dict(model, rank0_only=False)
+        if holder:
+            sd["0.bias"] = meta
+        watched = [p.detach() for p in model.parameters()]
+    else:
+        sd = fshard.optim_state_dict(model, opt, full=True)
+        if holder:
+            sd["state"]["0.bias"]["exp_avg"] = meta
+        watched = [t for p in model.parameters() for t in opt.state[p].values()]
+    given = sd if holder or not broadcast else {}
+    before = [t.clone() for t in watched]
+    try:
+        if what == "model":
+            fshard.load_state_dict(model, given, broadcast_from_rank0=broadcast)
+        else:
+            fshard.load_optim_state_dict(model, opt, given, broadcast_from_rank0=broadcast)
+    finally:
+        _unchanged(watched, before)
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["everywhere", "from_rank0"])
+@pytest.mark.parametrize("what", ["model", "optim"])
+def test_a_meta_tensor_in_the_state_dict_is_an_error_naming_its_key_on_every_rank(what, broadcast):
+    """Named in the agreed checks, before anything is sent or loaded: not torch's bare "Cannot
+    copy out of meta tensor" on one rank in the middle of the load (from rank 0: of its
+    scatter, with the other ranks left waiting in it)."""
+    key = "key '0.bias'" if what == "model" else "state['0.bias']['exp_avg']"
+    _every_rank_raises_at_once(
+        _meta_value_task, what, broadcast, patterns=[f"1 tensor(s) of the state dict are on the meta device ({key})", "holds no data"]
+    )
+
+
+def _meta_buffer_model() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``_linear_pair``'s model and a full state dict of it; on rank 1 the BatchNorm's running
+    statistics are left on the meta device (weights loaded with assign=True, buffers not)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+    sd = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    if dist.get_rank() == 1:
+        for name in ("running_mean", "running_var"):
+            model[1].register_buffer(name, torch.empty(6, device="meta"))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    return model, sd
+
+
+def _meta_buffer_task(broadcast: bool) -> None:
+    model, sd = _meta_buffer_model()
+    given = sd if not broadcast or dist.get_rank() == 0 else {}
+    watched = [p.detach() for p in model.parameters()]
+    before = [t.clone() for t in watched]
+    try:
+        fshard.load_state_dict(model, given, broadcast_from_rank0=broadcast)
+    finally:
+        _unchanged(watched, before)
+
+
+def _meta_buffer_materialized_task(broadcast: bool) -> bool:
+    """What the error says to do: materialize, then load; the model then runs."""
+    model, sd = _meta_buffer_model()
+    fshard.materialize(model)
+    fshard.load_state_dict(model, sd if not broadcast or dist.get_rank() == 0 else {}, broadcast_from_rank0=broadcast)
+    torch.testing.assert_close(model[1].running_mean, sd["1.running_mean"], rtol=0, atol=0)
+    model.eval()(torch.randn(3, 6))
+    return True
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["everywhere", "from_rank0"])
+def test_a_buffer_left_on_the_meta_device_is_an_error_naming_it(broadcast):
+    """A load copies into the model's buffers, and a copy into a meta buffer does nothing
+    (torch only warns): the load reported success and the forward failed."""
+    message = _every_rank_raises_at_once(
+        _meta_buffer_task,
+        broadcast,
+        patterns=["2 buffer(s) are on the meta device ('1.running_mean', '1.running_var')", "fshard.materialize(model)"],
+    )
+    assert "num_batches_tracked" not in message and "parameter" not in message, message
+    assert all(get_pool(2).run(_meta_buffer_materialized_task, broadcast))
+
+
+class _WithTable(nn.Module):
+    """A non-persistent buffer (a rotary table) used by the forward, also registered by a
+    child: the same tensor under two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+        self.child = nn.Module()
+        self.child.register_buffer("table", self.table, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.table
+
+
+def _meta_table_model(meta_on: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = _WithTable()
+    with torch.no_grad():
+        model.table.mul_(3.0)  # a value no constructor gives: it must come from rank 0
+    if dist.get_rank() == meta_on:
+        table = torch.empty(4, device="meta")
+        model.register_buffer("table", table, persistent=False)
+        model.child.register_buffer("table", table, persistent=False)
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    return model
+
+
+def _meta_non_persistent_buffer_task() -> torch.Tensor:
+    model = _meta_table_model(meta_on=1)
+    sd = fshard.full_state_dict(model, rank0_only=False)
+    fshard.load_state_dict(model, sd if dist.get_rank() == 0 else {}, broadcast_from_rank0=True)
+    assert model.table.device == torch.device("cpu")
+    torch.testing.assert_close(model.table, torch.arange(4.0) * 3, rtol=0, atol=0)
+    assert model.child.table is model.table  # still one tensor
+    return model(torch.ones(2, 4)).detach()
+
+
+def test_non_persistent_buffers_on_the_meta_device_take_rank0s_values():
+    """``broadcast_from_rank0`` copies buffers no state dict holds from rank 0's model; a copy
+    into a meta buffer did nothing, so a rank that built them on meta kept them there."""
+    out0, out1 = get_pool(2).run(_meta_non_persistent_buffer_task)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+
+
+def _meta_non_persistent_buffer_on_rank0_task() -> None:
+    model = _meta_table_model(meta_on=0)
+    sd = {k: v.detach().clone() for k, v in fshard.full_state_dict(model, rank0_only=False).items()}
+    fshard.load_state_dict(model, sd if dist.get_rank() == 0 else {}, broadcast_from_rank0=True)
+
+
+def test_a_non_persistent_buffer_on_the_meta_device_on_rank0_is_an_error_on_every_rank():
+    """Rank 0 cannot send a buffer it holds no data for: refused in the agreed checks, not
+    torch's error on rank 0 alone with the other ranks waiting in the broadcast."""
+    _every_rank_raises_at_once(
+        _meta_non_persistent_buffer_on_rank0_task,
+        patterns=["non-persistent buffer(s) are on the meta device on rank 0 ('table', 'child.table')", "torch.device('meta')"],
+    )
