@@ -17,14 +17,27 @@ index per mesh dim of ``layout.mesh_shape``; rank ``r`` of an ``init_device_mesh
 through the row-major flat index of the coordinate.
 
 [Note: which leaves are sharded]
-A leaf is looked up by its key path: the first path element that is a key of the layout names
-its entry (``("layers.0.weight",)`` in a model state dict, ``("state", "layers.0.weight",
-"exp_avg")`` in an optimizer state dict). A leaf *at* a layout key must be a tensor of the full
-shape (``shard``) or of the coordinate's local shape (``unshard``); anything else is an error
-naming the key. A leaf *below* a layout key (optimizer state) is sharded like the parameter if
-its shape matches, and otherwise treated as replicated (Adam's ``step``). Leaves that name no
-entry, and non-tensor leaves, are replicated: ``shard`` passes them through and ``unshard`` takes
-the value of the first coordinate.
+A leaf's entry is found from its key path, in two ways:
+
+- Inside an optimizer state dict (``state`` and ``param_groups``, as ``fshard.optim_state_dict``
+  gives it), at the root of the tree or nested anywhere in it (``{"model": ..., "optim": osd}``),
+  the position decides: a leaf at ``(..., "state", name, ...)`` belongs to ``name`` if the layout
+  has it and to no entry otherwise, and ``param_groups`` belongs to no entry. Names further up or
+  down the path (a model buffer called ``state``, ``optim`` or ``exp_avg``) do not count.
+- Anywhere else, every string on the path that is a layout key is a *candidate*: ``("model",
+  "w")`` has two if the model has a buffer called ``model``, ``("optim", "w", "exp_avg")`` (the
+  per-parameter state of an optimizer state dict without its ``param_groups``) has ``w`` and maybe
+  ``optim``. The leaf belongs to the candidate whose shape it *fits*: the entry's full shape
+  (``shard``) or the local shape of every coordinate's piece (``unshard``). Two candidates that
+  fit and cut the tensor differently (some coordinate holds another region) are an error naming
+  the path and both keys: each reading needs one name to collide and one shape to agree by
+  chance, so neither is safer to guess. Candidates that fit and cut alike give the same result
+  (the deepest is taken). A leaf of a plain model state dict has one candidate, its own key.
+
+If no candidate fits, a leaf that sits *at* a layout key (the last path element: a model state
+dict's tensor) is an error naming the key, and a leaf only *below* keys is optimizer state of
+another shape, kept whole (Adam's ``step``). Leaves with no candidate, and non-tensor leaves, are
+replicated: ``shard`` passes them through and ``unshard`` takes the value of the first coordinate.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import re
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -329,21 +342,103 @@ def _flatten(tree: Any) -> tuple[list[PathKey], list[Any], optree.PyTreeSpec]:
     return [tuple(p) for p in paths], leaves, spec
 
 
-def _entry_key(path: PathKey, layout: Layout) -> tuple[str | None, bool]:
-    """The layout key naming the leaf at ``path``, and whether the leaf sits exactly at it."""
-    for i, element in enumerate(path):
-        if isinstance(element, str) and element in layout:
-            return element, i == len(path) - 1
-    return None, False
+class _Candidate(NamedTuple):
+    """A layout key on a leaf's path: ``exact`` if the leaf sits at it, not below it."""
+
+    key: str
+    exact: bool
 
 
-def _lookup_paths(tree: Any, paths: list[PathKey]) -> list[PathKey]:
-    """The paths to look layout keys up by: in an optimizer state dict a parameter's state sits
-    at ``("state", name, ...)``, so ``name`` decides, even where the model also has a key called
-    ``state`` or ``param_groups``."""
-    if not _is_optim_state_dict(tree):
-        return paths
-    return [p[1:] if p[:1] == ("state",) else () for p in paths]
+def _optim_root_depth(tree: Any, path: PathKey) -> int | None:
+    """How deep on ``path`` the outermost optimizer state dict sits, or None if none does.
+
+    Only dicts, lists and tuples are walked into (optree's path entries index them); a leaf
+    below any other node is looked up as outside an optimizer state dict.
+    """
+    node = tree
+    for depth, element in enumerate(path):
+        if _is_optim_state_dict(node):
+            return depth
+        if isinstance(node, Mapping) and element in node:
+            node = node[element]
+        elif isinstance(node, (list, tuple)) and isinstance(element, int) and element < len(node):
+            node = node[element]
+        else:
+            return None
+    return None
+
+
+def _candidates(tree: Any, paths: list[PathKey], layout: Layout) -> list[list[_Candidate]]:
+    """Per leaf of ``tree``, the layout keys it may belong to, outermost first (see [Note:
+    which leaves are sharded])."""
+    out: list[list[_Candidate]] = []
+    for path in paths:
+        depth = _optim_root_depth(tree, path)
+        if depth is None:
+            positions: Iterable[int] = range(len(path))
+        elif path[depth] == "state":
+            positions = [depth + 1] if depth + 1 < len(path) else []  # the parameter name only
+        else:
+            positions = []  # param_groups, optimizer_class
+        out.append(
+            [
+                _Candidate(path[i], i == len(path) - 1)
+                for i in positions
+                if isinstance(path[i], str) and path[i] in layout
+            ]
+        )
+    return out
+
+
+def _choose(
+    path: PathKey,
+    candidates: list[_Candidate],
+    fits: Callable[[str], bool],
+    layout: Layout,
+    problems: ProblemList,
+) -> _Candidate | None:
+    """The candidate a tensor leaf belongs to, given which keys' shapes it ``fits``; None if it
+    is replicated or ambiguous (then a problem names the path and the keys). A returned
+    candidate that does not fit is ``exact``: the caller reports its shape.
+
+    [Note: which leaves are sharded] gives the rule.
+    """
+    fitting = [c for c in candidates if fits(c.key)]
+    if len(fitting) > 1 and len({_cut(layout, c.key) for c in fitting}) > 1:
+        keys = ", ".join(repr(k) for k in dict.fromkeys(c.key for c in fitting))
+        problems.add(
+            f"the tensor at {_path_str(path)} fits layout keys {keys}, which lay it out "
+            "differently, so which one it belongs to is ambiguous; transform the model and the "
+            "optimizer state dicts separately, give optimizer state as fshard.optim_state_dict "
+            "does ('state' and 'param_groups', read by position), or rename the colliding keys "
+            "(transforms.map_keys)"
+        )
+        return None
+    if fitting:
+        return fitting[-1]
+    if candidates and candidates[-1].exact:
+        return candidates[-1]
+    return None
+
+
+def _cut(layout: Layout, key: str) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The region of ``key``'s tensor each coordinate holds: two keys alike here cut alike."""
+    entry = layout[key]
+    return tuple(entry.local_region(layout.entry_coord(key, c)) for c in layout.coords())
+
+
+def _at(path: PathKey, key: str, unfit: Iterable[_Candidate] = ()) -> str:
+    """Where the leaf of an error about ``key`` sits, unless at the top level, and which other
+    candidates it does not fit either."""
+    if path == (key,):
+        return ""
+    others = list(dict.fromkeys(repr(c.key) for c in unfit if c.key != key))
+    if not others:
+        return f" (the tensor at {_path_str(path)})"
+    return (
+        f" (the tensor at {_path_str(path)}, which does not fit layout key(s) "
+        f"{', '.join(others)} above it either)"
+    )
 
 
 def _path_str(path: PathKey) -> str:
@@ -354,55 +449,82 @@ def _slices(offsets: Sequence[int], lengths: Sequence[int]) -> tuple[slice, ...]
     return tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
 
 
-def _shard_leaf(
-    path: PathKey, leaf: Any, layout: Layout, coord: Coord, problems: ProblemList
-) -> Any:
-    key, exact = _entry_key(path, layout)
-    if key is None or not isinstance(leaf, torch.Tensor):
-        return leaf
-    entry = layout[key]
-    if tuple(leaf.shape) != entry.full_shape:
-        if exact:
-            problems.add(
-                f"key {key!r} has shape {list(leaf.shape)}, but the layout says its full shape is "
-                f"{list(entry.full_shape)}"
-            )
-        return leaf
-    if not entry.is_sharded:
-        return leaf
-    offsets, lengths = entry.local_region(layout.entry_coord(key, coord))
+def _shard_key(
+    path: PathKey,
+    leaf: Any,
+    candidates: list[_Candidate],
+    layout: Layout,
+    problems: ProblemList,
+) -> str | None:
+    """The layout key whose entry cuts ``leaf`` (a full tensor), or None to keep it whole."""
+    if not isinstance(leaf, torch.Tensor) or not candidates:
+        return None
+    shape = tuple(leaf.shape)
+    chosen = _choose(
+        path, candidates, lambda key: shape == layout[key].full_shape, layout, problems
+    )
+    if chosen is None:
+        return None
+    entry = layout[chosen.key]
+    if shape != entry.full_shape:  # only an exact candidate comes back without fitting
+        problems.add(
+            f"key {chosen.key!r} has shape {list(shape)}, but the layout says its full shape is "
+            f"{list(entry.full_shape)}" + _at(path, chosen.key, candidates)
+        )
+        return None
+    return chosen.key if entry.is_sharded else None
+
+
+def _shard_piece(leaf: torch.Tensor, layout: Layout, key: str, coord: Coord) -> torch.Tensor:
+    """The view of ``leaf`` (full, under ``key``) held at ``coord`` of the layout's mesh."""
+    offsets, lengths = layout[key].local_region(layout.entry_coord(key, coord))
     return leaf[_slices(offsets, lengths)]
 
 
 def _unshard_leaf(
-    path: PathKey, pieces: Mapping[Coord, Any], layout: Layout, problems: ProblemList
+    path: PathKey,
+    pieces: Mapping[Coord, Any],
+    candidates: list[_Candidate],
+    layout: Layout,
+    problems: ProblemList,
 ) -> Any:
     coords = sorted(pieces)
     first = pieces[coords[0]]
-    key, exact = _entry_key(path, layout)
-    if key is None or not isinstance(first, torch.Tensor):
+    if not isinstance(first, torch.Tensor) or not candidates:
+        return first
+
+    def expected(key: str) -> dict[Coord, tuple[int, ...]]:
+        return {c: layout[key].local_shape(layout.entry_coord(key, c)) for c in coords}
+
+    def fits(key: str) -> bool:
+        want = expected(key)
+        return all(
+            isinstance(pieces[c], torch.Tensor) and tuple(pieces[c].shape) == want[c]
+            for c in coords
+        )
+
+    chosen = _choose(path, candidates, fits, layout, problems)
+    if chosen is None:
+        return first
+    key = chosen.key
+    if not fits(key):  # only an exact candidate comes back without fitting
+        want = expected(key)
+        wrong = [
+            f"{c}: {list(getattr(pieces[c], 'shape', ()))} (expected {list(want[c])})"
+            for c in coords
+            if tuple(getattr(pieces[c], "shape", ())) != want[c]
+        ]
+        problems.add(
+            f"key {key!r} has local shapes that do not fit the layout at "
+            + ", ".join(wrong)
+            + _at(path, key, candidates)
+        )
         return first
     entry = layout[key]
-    own = {c: layout.entry_coord(key, c) for c in coords}
-    expected = {c: entry.local_shape(own[c]) for c in coords}
-    matches = all(
-        isinstance(pieces[c], torch.Tensor) and tuple(pieces[c].shape) == expected[c]
-        for c in coords
-    )
-    if not matches:
-        if exact:
-            wrong = [
-                f"{c}: {list(getattr(pieces[c], 'shape', ()))} (expected {list(expected[c])})"
-                for c in coords
-                if tuple(getattr(pieces[c], "shape", ())) != expected[c]
-            ]
-            problems.add(f"key {key!r} has local shapes that do not fit the layout at " + ", ".join(wrong))
-        return first
     if not entry.is_sharded:
         return first
-    needed = {
-        entry.shard_index(layout.entry_coord(key, c)) for c in layout.coords()
-    }
+    own = {c: layout.entry_coord(key, c) for c in coords}
+    needed = {entry.shard_index(layout.entry_coord(key, c)) for c in layout.coords()}
     have: dict[tuple[int, ...], Coord] = {}
     for c in coords:
         have.setdefault(entry.shard_index(own[c]), c)
@@ -411,6 +533,7 @@ def _unshard_leaf(
         problems.add(
             f"key {key!r} cannot be unsharded: no coordinate holds its shard(s) {missing} "
             "(pass the local state dicts of a full set of shard coordinates)"
+            + _at(path, key)
         )
         return first
     full = torch.empty(entry.full_shape, dtype=first.dtype, device=first.device)
@@ -474,8 +597,11 @@ def shard(full_sd: Any, layout: Layout, coord: Coord | int) -> Any:
     coord = _check_coord(coord, layout.mesh_shape, "transforms.shard")
     paths, leaves, spec = _flatten(full_sd)
     problems = ProblemList("transforms.shard")
-    lookup = _lookup_paths(full_sd, paths)
-    out = [_shard_leaf(p, leaf, layout, coord, problems) for p, leaf in zip(lookup, leaves, strict=True)]
+    candidates = _candidates(full_sd, paths, layout)
+    out = []
+    for path, leaf_candidates, leaf in zip(paths, candidates, leaves, strict=True):
+        key = _shard_key(path, leaf, leaf_candidates, layout, problems)
+        out.append(leaf if key is None else _shard_piece(leaf, layout, key, coord))
     problems.raise_if_any(ValueError, hint="Pass a full state dict of the model the layout came from.")
     return optree.tree_unflatten(spec, out)
 
@@ -498,10 +624,10 @@ def unshard(local_sds_by_coord: Mapping[Coord, Any], layout: Layout) -> Any:
         local_sds_by_coord, layout.mesh_shape, "transforms.unshard"
     )
     problems = ProblemList("transforms.unshard")
-    lookup = _lookup_paths(next(iter(local_sds_by_coord.values())), paths)
+    candidates = _candidates(next(iter(local_sds_by_coord.values())), paths, layout)
     out = [
-        _unshard_leaf(path, {c: leaves[c][i] for c in coords}, layout, problems)
-        for i, path in enumerate(lookup)
+        _unshard_leaf(path, {c: leaves[c][i] for c in coords}, candidates[i], layout, problems)
+        for i, path in enumerate(paths)
     ]
     problems.raise_if_any(ValueError)
     return optree.tree_unflatten(spec, out)
@@ -531,13 +657,16 @@ def reshard(
     new_coords = new_layout.coords()
     problems = ProblemList("transforms.reshard")
     out: dict[Coord, list[Any]] = {c: [] for c in new_coords}
-    for i, path in enumerate(_lookup_paths(next(iter(local_sds_by_coord.values())), paths)):
-        full = _unshard_leaf(path, {c: leaves[c][i] for c in coords}, old_layout, problems)
+    tree = next(iter(local_sds_by_coord.values()))
+    old_candidates = _candidates(tree, paths, old_layout)
+    new_candidates = _candidates(tree, paths, new_layout)
+    for i, path in enumerate(paths):
+        pieces = {c: leaves[c][i] for c in coords}
+        full = _unshard_leaf(path, pieces, old_candidates[i], old_layout, problems)
+        # Resolved once per leaf, so a problem is reported once, not once per new coordinate.
+        key = _shard_key(path, full, new_candidates[i], new_layout, problems)
         for c in new_coords:
-            piece = _shard_leaf(path, full, new_layout, c, problems)
-            if isinstance(piece, torch.Tensor) and piece is not full and isinstance(full, torch.Tensor):
-                piece = piece.clone()
-            out[c].append(piece)
+            out[c].append(full if key is None else _shard_piece(full, new_layout, key, c).clone())
     problems.raise_if_any(ValueError)
     return {c: optree.tree_unflatten(spec, out[c]) for c in new_coords}
 
@@ -545,13 +674,21 @@ def reshard(
 # ---------------------------------------------------------------------------- keys and values
 
 
+_OPTIM_KEYS = frozenset({"state", "param_groups", "optimizer_class"})
+
+
 def _is_optim_state_dict(tree: Any) -> bool:
-    """``fshard.optim_state_dict``'s form: ``state``, ``param_groups`` and ``optimizer_class``."""
-    return isinstance(tree, Mapping) and {"state", "param_groups"} <= set(tree) <= {
-        "state",
-        "param_groups",
-        "optimizer_class",
-    }
+    """``fshard.optim_state_dict``'s form: ``state``, ``param_groups`` and ``optimizer_class``.
+
+    Constant time for a mapping without both ``state`` and ``param_groups`` (a model state dict
+    of any size), since ``_candidates`` asks at every level of every leaf's path.
+    """
+    return (
+        isinstance(tree, Mapping)
+        and "state" in tree
+        and "param_groups" in tree
+        and all(key in _OPTIM_KEYS for key in tree)
+    )
 
 
 def _rename_mapping(mapping: Mapping[Any, Any], fn: Callable[[str], str], where: str) -> dict[Any, Any]:

@@ -75,6 +75,13 @@ def layouts_and_trees(draw: st.DrawFn, *, mesh_shape: tuple[int, ...] | None = N
         model[key] = _tensor(shape, dtype, seed=i)
     if draw(st.booleans()):
         model["buffer_not_in_layout"] = torch.arange(3)
+    if draw(st.booleans()):
+        # A buffer named like a level of the nesting: ("model", "w") and ("optim", "state", "w",
+        # "exp_avg") pass a key called "model" or "state" before they reach "w". It is 0-d, so
+        # it cuts alike with any other key it fits (both kept whole): never ambiguous.
+        name = draw(st.sampled_from(["state", "model", "optim", "param_groups"]))
+        entries[name] = T.TensorLayout((), "float32", mesh_shape, tuple("R" for _ in mesh_shape))
+        model[name] = torch.tensor(1.5)
     layout = T.Layout(mesh_shape, entries)
     optim = {
         "state": {
@@ -97,6 +104,23 @@ def _all_locals(full: Any, layout: T.Layout) -> dict[tuple[int, ...], Any]:
     return {c: T.shard(full, layout, c) for c in layout.coords()}
 
 
+def _sharded_tensors(tree: Any) -> dict[str, list[torch.Tensor]]:
+    """Per model key, its tensor and its optimizer state of the same shape in a drawn tree."""
+    def is_optim(node: Any) -> bool:  # a model key may be called "param_groups": a tensor
+        return isinstance(node, dict) and isinstance(node.get("param_groups"), list)
+
+    if is_optim(tree):
+        model, optim = {}, tree
+    elif set(tree) == {"model", "optim"} and is_optim(tree["optim"]):
+        model, optim = tree["model"], tree["optim"]
+    else:
+        model, optim = tree, {"state": {}}
+    out: dict[str, list[torch.Tensor]] = {k: [v] for k, v in model.items()}
+    for k, state in optim["state"].items():
+        out.setdefault(k, []).append(state["exp_avg"])
+    return out
+
+
 # -------------------------------------------------------------------------------- properties
 
 
@@ -113,11 +137,34 @@ def _all_locals(full: Any, layout: T.Layout) -> dict[tuple[int, ...], Any]:
         {"state": {"w": {"exp_avg": torch.ones(1), "step": torch.tensor(3.0)}}, "param_groups": []},
     )
 )
+@example(  # ("optim", "state", "w", "exp_avg") passes a model key called "state" first
+    (
+        T.Layout(
+            (2,),
+            {
+                "state": T.TensorLayout((), "float32", (2,), ("R",)),
+                "w": T.TensorLayout((3, 2), "float32", (2,), ("S(0)",)),
+            },
+        ),
+        {
+            "model": {"state": torch.tensor(1.5), "w": torch.arange(6.0).view(3, 2)},
+            "optim": {
+                "state": {"w": {"exp_avg": torch.ones(3, 2), "step": torch.tensor(1.0)}},
+                "param_groups": [{"lr": 0.1, "params": ["state", "w"]}],
+            },
+        },
+    )
+)
 def test_unshard_of_shard_is_identity_and_inputs_are_untouched(case):
     layout, full = case
     before = copy.deepcopy(full)
     locals_ = _all_locals(full, layout)
     locals_before = copy.deepcopy(locals_)
+    for c, local in locals_.items():  # a round trip alone passes if shard and unshard agree on a wrong key
+        for key, tensors in _sharded_tensors(local).items():
+            if key in layout:
+                want = layout[key].local_shape(layout.entry_coord(key, c))
+                assert [tuple(t.shape) for t in tensors] == [want] * len(tensors), (key, c)
     _assert_tree_equal(T.unshard(locals_, layout), full)
     _assert_tree_equal(full, before)
     _assert_tree_equal(locals_, locals_before)
@@ -231,7 +278,134 @@ def test_optimizer_state_follows_its_parameter_when_a_model_key_is_named_state(n
     _assert_tree_equal(T.reshard(locals_, layout, new)[(0,)], full)
 
 
+def _nested(form: str, model: dict[str, Any], osd: dict[str, Any]) -> Any:
+    """A model and an optimizer state dict in one tree, as checkpoints and users nest them."""
+    if form == "dict":
+        return {"model": model, "optim": osd}
+    if form == "list":
+        return [model, osd]
+    return {"model": model, "optim": osd["state"]}  # fshard.checkpoint's: per-parameter state only
+
+
+@pytest.mark.parametrize("form", ["dict", "list", "bare_state"])
+@pytest.mark.parametrize("name", ["state", "model", "optim", "param_groups"])
+def test_nested_optimizer_state_follows_its_parameter_when_a_model_key_is_named_like_a_level(
+    name, form
+):
+    """In ``{"model": sd, "optim": osd}`` the path ("optim", "state", "w", "exp_avg") passes
+    "optim" and "state" before "w", and ("model", "w") passes "model": a buffer named like one
+    of them took the leaf, which then did not fit and was kept whole (every coordinate got all
+    of exp_avg, and unshard returned coordinate 0's rows as the full tensor)."""
+    layout = T.Layout(
+        (2,),
+        {
+            name: T.TensorLayout((3,), "float32", (2,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    model = {name: torch.arange(3.0), "w": torch.arange(8.0).view(4, 2)}
+    osd = {
+        "state": {
+            "w": {"exp_avg": torch.arange(8.0).view(4, 2) + 100, "step": torch.tensor(3.0)},
+            name: {"exp_avg": torch.arange(3.0) + 50, "step": torch.tensor(3.0)},
+        },
+        "param_groups": [{"lr": 0.1, "params": [name, "w"]}],
+    }
+    full = _nested(form, model, osd)
+    locals_ = _all_locals(full, layout)
+    model_key, optim_key = (0, 1) if form == "list" else ("model", "optim")
+    model_at_1, optim_at_1 = locals_[(1,)][model_key], locals_[(1,)][optim_key]
+    state_at_1 = optim_at_1 if form == "bare_state" else optim_at_1["state"]
+    assert model_at_1["w"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    assert state_at_1["w"]["exp_avg"].tolist() == [[104.0, 105.0], [106.0, 107.0]]
+    assert state_at_1["w"]["step"].item() == 3.0
+    assert model_at_1[name].tolist() == [0.0, 1.0, 2.0]
+    assert state_at_1[name]["exp_avg"].tolist() == [50.0, 51.0, 52.0]
+    _assert_tree_equal(T.unshard(locals_, layout), full)
+
+    def on(mesh: tuple[int, ...]) -> T.Layout:
+        placements = ("S(0)",) if len(mesh) == 1 else ("R", "S(0)")
+        return T.Layout(
+            mesh,
+            {
+                name: T.TensorLayout((3,), "float32", mesh, tuple("R" for _ in mesh)),
+                "w": T.TensorLayout((4, 2), "float32", mesh, placements),
+            },
+        )
+
+    _assert_tree_equal(T.reshard(locals_, layout, on((1,)))[(0,)], full)
+    for mesh in [(3,), (2, 2)]:
+        new = on(mesh)
+        out = T.reshard(locals_, layout, new)
+        for c in new.coords():
+            _assert_tree_equal(out[c], T.shard(full, new, c))
+        _assert_tree_equal(T.unshard(out, new), full)
+
+
+def test_candidates_that_fit_and_cut_alike_are_not_ambiguous():
+    layout = T.Layout(
+        (2,),
+        {
+            "optim": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    full = {"optim": {"w": {"exp_avg": torch.arange(8.0).view(4, 2)}}}
+    locals_ = _all_locals(full, layout)
+    assert locals_[(1,)]["optim"]["w"]["exp_avg"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    _assert_tree_equal(T.unshard(locals_, layout), full)
+
+
 # ------------------------------------------------------------------------------------ errors
+
+
+def test_a_leaf_that_fits_two_keys_cut_differently_is_an_error_naming_path_and_keys():
+    """("optim", "w", "exp_avg") is w's state, or the state "w" of a parameter called "optim":
+    with both shapes fitting, the transforms say so instead of guessing."""
+    layout = T.Layout(
+        (2,),
+        {
+            "optim": T.TensorLayout((4, 2), "float32", (2,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    full = {"optim": {"w": {"exp_avg": torch.zeros(4, 2)}}}
+    ambiguous = r"the tensor at \['optim'\]\['w'\]\['exp_avg'\] fits layout keys 'optim', 'w'"
+    with pytest.raises(ValueError, match=ambiguous):
+        T.shard(full, layout, (0,))
+    # Local pieces of (2, 2) fit both a replicated (2, 2) and a row-sharded (4, 2).
+    layout = T.Layout(
+        (2,),
+        {
+            "optim": T.TensorLayout((2, 2), "float32", (2,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    locals_ = {c: {"optim": {"w": {"exp_avg": torch.zeros(2, 2)}}} for c in layout.coords()}
+    with pytest.raises(ValueError, match=ambiguous):
+        T.unshard(locals_, layout)
+    with pytest.raises(ValueError, match=ambiguous):
+        T.reshard(locals_, layout, layout)
+
+
+def test_a_nested_tensor_of_the_wrong_shape_at_a_key_is_an_error_naming_its_path():
+    """Below a key called "model", a mis-shaped tensor at "w" was kept whole without a word."""
+    layout = T.Layout(
+        (2,),
+        {
+            "model": T.TensorLayout((3,), "float32", (2,), ("R",)),
+            "w": T.TensorLayout((4, 2), "float32", (2,), ("S(0)",)),
+        },
+    )
+    full_shape = (
+        r"key 'w' has shape \[5, 2\], but the layout says its full shape is \[4, 2\] \(the tensor "
+        r"at \['model'\]\['w'\], which does not fit layout key\(s\) 'model' above it either\)"
+    )
+    with pytest.raises(ValueError, match=full_shape):
+        T.shard({"model": {"w": torch.zeros(5, 2)}}, layout, (0,))
+    local_shapes = r"key 'w' has local shapes .*\(the tensor at \['model'\]\['w'\]"
+    with pytest.raises(ValueError, match=local_shapes):
+        T.unshard({c: {"model": {"w": torch.zeros(3, 2)}} for c in layout.coords()}, layout)
 
 
 def test_shard_rejects_wrong_full_shape_naming_every_key():
