@@ -1274,6 +1274,7 @@ def _wrap_inputs(
         new_args = list(args)
         for i, tensor in zip(positions, wrapped, strict=True):
             new_args[i] = tensor
+        group.passed_inputs = {id(w): (w, args[i]) for i, w in zip(positions, wrapped, strict=True)}
         return tuple(new_args), kwargs
     needing: dict[int, torch.Tensor] = {}
     _in_tuples(
@@ -1283,6 +1284,7 @@ def _wrap_inputs(
     if not needing:
         return None
     wrapped = _InputsGradReady.apply(group, *needing.values())
+    group.passed_inputs = {id(w): (w, t) for w, t in zip(wrapped, needing.values(), strict=True)}
     by_id = {i: w for i, w in zip(needing, wrapped, strict=True)}
     args = _in_tuples(args, lambda t: by_id.get(id(t), t))
     kwargs = {k: _in_tuples(v, lambda t: by_id.get(id(t), t)) for k, v in kwargs.items()}
@@ -1313,6 +1315,10 @@ def _post_forward(
         return None
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
     grad_enabled = torch.is_grad_enabled()
+    passed, group.passed_inputs = group.passed_inputs, None
+    handed_back: set[int] = set()  # inputs returned as given: no hook of this unit on them
+    if passed is not None:
+        output = _unwrap_returned_inputs(output, passed, handed_back)
     # The root's backward starts right after forward ends and needs its parameters first, so it
     # keeps them rather than free and re-gather them (as FSDP2 does); without grad, free all.
     keep = group is root.root or not group.reshard_after_forward
@@ -1335,13 +1341,13 @@ def _post_forward(
     if grad_enabled:
         hook = _PreBackwardHook(group, group._forward_versions, root.steps)
         for leaf in leaves:
-            if leaf.requires_grad:
+            if leaf.requires_grad and id(leaf) not in handed_back:
                 leaf.register_hook(hook)
         if not keep and _SEQUENCE_NR is not None:
             # Tensors the forward made and left in module attributes (an MoE's auxiliary loss,
             # a penalty) may reach the loss without passing the outputs: their backward needs
             # the params too, and may run first.
-            returned = {id(t) for t in leaves}
+            returned = {id(t) for t in leaves}  # (the tensors it was handed are not its own)
             for tensor in _made_since(group, group.forward_seq):
                 if id(tensor) not in returned:
                     tensor.register_hook(hook)
@@ -1362,6 +1368,34 @@ def _post_forward(
         group.hide_unsharded()
         root.hidden_kept = True
     return output
+
+
+def _unwrap_returned_inputs(
+    output: Any, passed: dict[int, tuple[torch.Tensor, torch.Tensor]], handed_back: set[int]
+) -> Any:
+    """``output`` with each input the unit returned as it got it (an adapter switched off,
+    ``return x``) replaced by the tensor it was given, as it would be without fshard.
+
+    The unit got its inputs through ``_InputsGradReady``, whose outputs autograd forbids
+    changing in place: the caller's ``nn.ReLU(inplace=True)`` on such an output raised torch's
+    "Output 0 of _InputsGradReady is a view". The replaced tensor depends on none of the
+    unit's parameters, so it needs no hook of the unit (their ids go into ``handed_back``);
+    the Function's node, now unused, goes with the returned copy and its waiter with it. (A
+    view of an input, ``x[:, :3]``, stays a view of the copy.)
+    """
+
+    def original(t: torch.Tensor) -> torch.Tensor:
+        found = passed.get(id(t))
+        if found is None or found[0] is not t:
+            return t
+        handed_back.add(id(found[1]))
+        return found[1]
+
+    if type(output) is torch.Tensor:
+        return original(output)
+    if not any(id(t) in passed for t in _tensors_in(output)):
+        return output
+    return _map_tensors(original, output)
 
 
 # The number autograd gives the next node it creates (private; absent, attribute tensors are

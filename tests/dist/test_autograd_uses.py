@@ -752,6 +752,75 @@ def test_zero_grad_between_micro_batches_keeps_or_drops_them_as_documented(mesh_
     assert all(get_pool(math.prod(mesh_shape)).run(_zero_grad_mid_accumulation_worker, mesh_shape, reduce_scatter))
 
 
+class _SwitchableAdapter(nn.Module):
+    """Switched off on some steps: returns its input as it got it (both as it is and, in a
+    tuple, next to a result of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.how == "tuple":  # (its result must not have saved x, which the caller changes)
+            return x, x + self.lin.bias if self.enabled else x * 2
+        return self.lin(x) if self.enabled else x
+
+
+class _ChangesUnitOutputInPlace(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.adapter = _SwitchableAdapter()
+        self.adapter.how = how
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.adapter(self.inp(x))
+        if isinstance(h, tuple):
+            h[0][:, :3].mul_(2)  # a view of the returned input, changed in place
+            return self.head(h[0] + h[1])
+        return self.head(self.act(h))  # the parent's in-place ReLU on the unit's output
+
+
+def _unit_output_changed_in_place_worker(how: str) -> bool:
+    torch.manual_seed(0)
+    reference = _ChangesUnitOutputInPlace(how)
+    model = copy.deepcopy(reference)
+    mesh = mesh_for((dist.get_world_size(),))
+    fshard.fully_shard(model.adapter, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    opts = _sgd(reference, model)
+    for step in range(3):
+        for m in (reference, model):
+            m.adapter.enabled = step == 1
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        for m in (reference, model):
+            m(x).tanh().sum().backward()
+        _averaged_like_ddp(reference)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None)
+        _assert_grads_are_my_rows(
+            nn.ModuleList([model.inp, model.head]), nn.ModuleList([reference.inp, reference.head])
+        )
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert fshard.memory_stats().gathered_bytes == 0
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("how", ["as-is", "tuple"])
+def test_a_unit_returning_its_input_lets_the_caller_change_it_in_place(how):
+    """A unit that returns its input as it got it (an adapter switched off): the parent's
+    nn.ReLU(inplace=True) on it, or an in-place change of a slice of it, raised torch's
+    "Output 0 of _InputsGradReady is a view and is being modified inplace" (fshard's private
+    Function), where the plain model trains; now the unit hands back the tensor it was given."""
+    assert all(get_pool(2).run(_unit_output_changed_in_place_worker, how))
+
+
 # ------------------------------------------------------------------------------ torch.func.vmap
 
 
