@@ -19,14 +19,18 @@ the valid ones.
 Accelerate's FSDP plugin maps ``mixed_precision: bf16`` (``fp16``) to FSDP's ``MixedPrecision(
 param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)``: compute *and* gradient reduction in
 the low dtype, fp32 master weights in the shards. fshard does the same with
-``MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)``. Two differences: fshard never shards
-or casts buffers (they stay in their own dtype), and accelerate additionally runs the forward
-under ``torch.autocast`` and casts outputs to fp32, which is the training script's business here.
-fp16 training needs ``fshard.ShardedGradScaler``.
+``MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)``, and like accelerate (whose
+``prepare_model`` wraps the forward in ``convert_outputs_to_fp32``) the model returns fp32:
+the root unit's policy adds ``output_dtype=torch.float32``, so a ported script computes its loss
+from fp32 logits as before. Two differences: fshard never shards or casts buffers (they stay in
+their own dtype), and accelerate additionally runs the forward under ``torch.autocast`` (which
+also computes some ops, softmax and norms, in fp32); fshard's gathered parameters are already in
+the low dtype. fp16 training needs ``fshard.ShardedGradScaler``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import logging
@@ -50,7 +54,7 @@ from fshard._init import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._state_dict import load_state_dict
 from fshard._strategy import ShardingStrategy, parse_strategy, strategy_kwargs
-from fshard._wrap import Policy, auto_shard, by_class, by_size, checkpoint_forward, select_modules
+from fshard._wrap import Policy, by_class, by_size, checkpoint_forward, select_modules
 
 __all__ = [
     "CONFIG_ENV",
@@ -1123,10 +1127,12 @@ def from_config(
 
     - the wrap policy (TRANSFORMER_BASED_WRAP: ``fshard.by_class`` of the named classes found in
       the model; SIZE_BASED_WRAP: ``fshard.by_size(min_num_params)``; NO_WRAP: root only) picks
-      the units, and ``fshard.auto_shard`` shards them bottom-up, then the root, with the mesh
-      and ``reshard_after_forward`` of ``fshard.strategy_kwargs(sharding_strategy)`` (HYBRID:
-      ``parallelism_config_dp_replicate_size`` replicas, else one per machine), ``mp_policy``
-      from ``mixed_precision`` and ``CPUOffload()`` if ``offload_params``;
+      the units, which are sharded bottom-up, then the root (as ``fshard.auto_shard`` does),
+      with the mesh and ``reshard_after_forward`` of ``fshard.strategy_kwargs(
+      sharding_strategy)`` (HYBRID: ``parallelism_config_dp_replicate_size`` replicas, else one
+      per machine), ``mp_policy`` from ``mixed_precision`` (the root's also with
+      ``output_dtype=torch.float32``: the model returns fp32, as accelerate's does) and
+      ``CPUOffload()`` if ``offload_params``;
     - with ``activation_checkpointing``, the forward of each block the wrap policy selected is
       recomputed in backward (non-reentrant ``torch.utils.checkpoint``; the module keeps its
       class and FQNs, unlike accelerate's ``checkpoint_wrapper``);
@@ -1170,10 +1176,12 @@ def from_config(
         "mp_policy": cfg.mp_policy,
         "offload_policy": cfg.offload_policy,
     }
-    if policy is None:
-        fully_shard(model, **shard_kwargs)
-    else:
-        auto_shard(model, policy=policy, **shard_kwargs)
+    if policy is not None:
+        for fqn in select_modules(model, policy):
+            fully_shard(model.get_submodule(fqn), **shard_kwargs)
+    mp = cfg.mp_policy  # fp32 outputs, as accelerate gives: [Note: mixed precision like accelerate]
+    root_mp = None if mp is None else dataclasses.replace(mp, output_dtype=torch.float32)
+    fully_shard(model, **{**shard_kwargs, "mp_policy": root_mp})
     for fqn in recomputed:
         checkpoint_forward(model.get_submodule(fqn))
     if cfg.forward_prefetch is not None or cfg.backward_prefetch is not None:

@@ -10,6 +10,8 @@ the units are checked and training is compared with DDP within bf16 rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import time
 from dataclasses import dataclass
@@ -123,10 +125,13 @@ def apply_and_check(config: dict[str, Any] | str, expect: Expect, model: nn.Modu
     """The ``shard_fn`` of the equivalence runs: apply the config, then check what it built."""
     fshard.from_config(model, config)
     reshard, shape = STRATEGY_LAYOUT[expect.strategy]
+    # The root returns fp32 under mixed precision, as accelerate's convert_outputs_to_fp32 does.
+    root_mp = None if expect.mp is None else dataclasses.replace(expect.mp, output_dtype=torch.float32)
     want = [
-        (fqn, reshard, shape, expect.offload, expect.mp, expect.forward_prefetch, expect.backward_prefetch)
+        (fqn, reshard, shape, expect.offload, root_mp if fqn == "" else expect.mp,
+         expect.forward_prefetch, expect.backward_prefetch)
         for fqn in expect.units
-    ]
+    ]  # fmt: skip
     got = describe_units(model)
     if got != want:
         raise AssertionError(f"rank {dist.get_rank()}: units differ\n got: {got}\nwant: {want}")
@@ -191,6 +196,10 @@ def _bf16_units_and_losses(config: dict[str, Any], expect: Expect) -> list[float
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(2):
+        with torch.no_grad():
+            out_dtype = model(batch(step, dist.get_rank())[0]).dtype
+        if out_dtype != torch.float32:
+            raise AssertionError("from_config's bf16 model must return fp32, as accelerate's does")
         value = loss(model, batch(step, dist.get_rank()))
         value.backward()
         opt.step()
