@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import TypedDict
 
 import torch
@@ -47,10 +47,14 @@ class StrategyKwargs(TypedDict):
 
 
 def parse_strategy(strategy: ShardingStrategy | int | str, where: str) -> ShardingStrategy:
-    """Accept a ``ShardingStrategy``, its number 1-5, or its name (any case)."""
+    """Accept a ``ShardingStrategy``, its number 1-5, or its name (any case); also torch's
+    FSDP1 ``torch.distributed.fsdp.ShardingStrategy`` (by name: its number 5 is called
+    ``_HYBRID_SHARD_ZERO2``, a leading underscore fshard ignores)."""
     valid = ", ".join(f"{s.name} ({s.value})" for s in ShardingStrategy)
     if isinstance(strategy, ShardingStrategy):
         return strategy
+    if isinstance(strategy, Enum) and type(strategy).__module__.startswith("torch.distributed.fsdp"):
+        strategy = strategy.name
     if isinstance(strategy, bool):
         raise TypeError(f"{where}: strategy must be a ShardingStrategy, 1-5 or a name, got {strategy!r}")
     if isinstance(strategy, int):
@@ -59,7 +63,7 @@ def parse_strategy(strategy: ShardingStrategy | int | str, where: str) -> Shardi
         except ValueError:
             raise ValueError(f"{where}: unknown sharding strategy {strategy!r}; valid: {valid}") from None
     if isinstance(strategy, str):
-        key = strategy.strip().upper().replace(" ", "_").replace("-", "_")
+        key = strategy.strip().upper().replace(" ", "_").replace("-", "_").lstrip("_")
         if key.isdigit():
             return parse_strategy(int(key), where)
         if key in ShardingStrategy.__members__:

@@ -146,6 +146,19 @@ def test_strategy_by_name_or_number(value: Any, expected: str) -> None:
     assert fshard.load_config({"fsdp_sharding_strategy": value}).sharding_strategy.name == expected
 
 
+def test_torch_fsdp1_strategies_are_accepted_by_name() -> None:
+    """The migration guide's FSDP1 row: torch's enum names number 5 ``_HYBRID_SHARD_ZERO2``,
+    which was an unknown name (and the enum itself a TypeError)."""
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    from fshard._strategy import parse_strategy
+
+    for theirs in TorchStrategy:
+        ours = parse_strategy(theirs, "strategy_kwargs")
+        assert ours.value == theirs.value and ours.name == theirs.name.lstrip("_")
+        assert parse_strategy(theirs.name, "strategy_kwargs") is ours
+
+
 @pytest.mark.parametrize(
     ("raf", "strategy", "expected"),
     [(True, None, "FULL_SHARD"), (False, None, "SHARD_GRAD_OP"), ("HYBRID_SHARD", None, "HYBRID_SHARD"),
