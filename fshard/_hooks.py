@@ -1109,22 +1109,31 @@ def _refuse_functorch_differentiation(group: ParamGroup) -> None:
         )
 
 
-def check_params_in_place(groups: list[ParamGroup], *, parameters: bool = True) -> None:
+def check_params_in_place(groups: list[ParamGroup], *, before_init: nn.Module | None = None) -> None:
     """Each module still holds the parameter fshard manages (its shard, or its gathered
     copy). One put there since (``block.lin.weight = nn.Parameter(...)``, weights tied
     anew) would be silently replaced by the old shard at the next gather, and a tensor
     substituted for the call (``torch.func.functional_call``) would be overwritten by the
-    gathered copy: refuse both. Before root init (``parameters=False``) only the tensors:
-    a parameter tied since ``fully_shard`` is placed by root init."""
+    gathered copy: refuse both. Before root init (``before_init``: the root module, which names
+    them) a sharded parameter put there is a tie made since ``fully_shard``
+    (``tie_weights()``), which root init places: only other tensors and unsharded parameters
+    are refused."""
     for group in groups:
         for slot in group.slots:
             for module, name in slot.registrations:
                 current = module._parameters.get(name)
                 if current is None or current is slot.sharded_param or current is slot.unsharded_param:
                     continue
+                if before_init is not None and is_sharded(current):
+                    continue
+                fqn, unit = slot.fqn, group.label
+                if before_init is not None:  # no FQNs yet
+                    names = {id(m): n for n, m in before_init.named_modules()}
+                    fqn = f"{names[id(module)]}.{name}".lstrip(".")
+                    unit = repr(names[id(group.module)]) if names[id(group.module)] else "<root>"
                 if not isinstance(current, nn.Parameter):
                     raise ValueError(
-                        f"fshard: parameter {slot.fqn!r} of unit {group.label} holds another "
+                        f"fshard: parameter {fqn!r} of unit {unit} holds another "
                         f"tensor ({type(module).__name__}.{name} is a "
                         f"{type(current).__name__} of shape {list(current.shape)}), as "
                         "torch.func.functional_call and torch.nn.utils.stateless put there "
@@ -1134,10 +1143,8 @@ def check_params_in_place(groups: list[ParamGroup], *, parameters: bool = True) 
                         "the shards instead (fshard.load_state_dict, or with torch.no_grad(): "
                         "p.to_local().copy_(...)), or call an unsharded copy of the module."
                     )
-                if not parameters:
-                    continue
                 raise ValueError(
-                    f"fshard: parameter {slot.fqn!r} of unit {group.label} was replaced "
+                    f"fshard: parameter {fqn!r} of unit {unit} was replaced "
                     f"after fully_shard ({type(module).__name__}.{name} = another "
                     "Parameter); fshard manages the one it sharded and would put it back. "
                     "Change its values in place instead (with torch.no_grad(): "
@@ -1152,7 +1159,7 @@ def _pre_forward(
     if _PEEK_TRANSFORMS is not None and _PEEK_TRANSFORMS() is not None:
         _refuse_functorch_differentiation(group)
     if group.root is None:
-        check_params_in_place(units_under(group.module), parameters=False)  # before root init
+        check_params_in_place(units_under(group.module), before_init=group.module)
         _lazy_init(group)
     root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init
     if in_backward():

@@ -361,10 +361,9 @@ def test_prefetch_set_differently_after_the_first_step_is_named_at_once():
 
 def _param_replaced_after_a_step(when: str):
     model = _routed_model()
+    model.layers[3].weight = model.layers[3].weight  # the same object again (tie_weights()): fine
     if when == "after-a-step":
         model(torch.randn(3, 6)).sum().backward()
-    model.layers[3].weight = model.layers[3].weight  # the same object again (tie_weights()): fine
-    model(torch.randn(3, 6)).sum().backward()
     model.layers[1].weight = nn.Parameter(torch.full((6, 6), 0.5))
     model(torch.randn(3, 6)).sum().backward()
 
@@ -373,7 +372,8 @@ def _param_replaced_after_a_step(when: str):
 def test_a_parameter_replaced_after_fully_shard_is_an_error(when):
     """Assigning a new Parameter to a unit's module after fully_shard: fshard put its own shard
     back at the next gather, so the new values were silently ignored (and full_state_dict
-    showed the old ones)."""
+    showed the old ones); before the first forward, the new one stayed unsharded, its
+    gradient never averaged."""
     _all_ranks_raise(
         2, _param_replaced_after_a_step, when,
         match=lambda m: "parameter 'layers.1.weight' of unit 'layers.1' was replaced after fully_shard" in m
