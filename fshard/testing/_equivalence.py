@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fshard._mesh import default_device_type, register_mesh_cache
-from fshard.testing._pool import RankPool, get_pool
+from fshard.testing._pool import RankPool, RanksFailed, get_pool
 
 __all__ = ["assert_equivalent_to_ddp", "EquivalenceReport", "mesh_for", "default_shard"]
 
@@ -64,9 +65,20 @@ def default_shard(model: nn.Module, mesh: DeviceMesh) -> None:
     fshard.fully_shard(model, mesh=mesh)
 
 
+class _LossInputError(TypeError):
+    """The default loss got a model output that is not a tensor (re-raised as a ``TypeError``)."""
+
+
 def _square_mean(model: nn.Module, batch: Any) -> torch.Tensor:
     inputs = batch if isinstance(batch, tuple) else (batch,)
     out = model(*inputs)
+    if not isinstance(out, torch.Tensor):
+        raise _LossInputError(
+            f"assert_equivalent_to_ddp: the model returned a {type(out).__name__}, not a tensor, "
+            "so the default loss (model(*batch).pow(2).mean()) cannot use it; pass "
+            "loss_fn=f where f(model, batch) returns a scalar loss tensor (for example "
+            "model(*batch)['logits'].pow(2).mean())"
+        )
     if out.dtype != torch.float64:  # (a float64 model keeps its precision)
         out = out.float()
     return out.pow(2).mean()
@@ -78,14 +90,15 @@ class EquivalenceReport:
 
     Example:
         >>> report = assert_equivalent_to_ddp(make, batch_fn=batch)  # doctest: +SKIP
-        >>> report.max_param_diff < 1e-6, report.params_compared      # doctest: +SKIP
-        (True, 4)
+        >>> report.max_param_diff < 1e-6, report.params_compared, report.params_sharded  # doctest: +SKIP
+        (True, 4, 4)
     """
 
     losses: list[list[float]]  # [rank][step], fshard
     ddp_losses: list[list[float]]  # [rank][step], DDP
     max_param_diff: float
     params_compared: int
+    params_sharded: int  # parameters that shard_fn sharded (fshard.is_sharded), each rank alike
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,26 @@ class _Config:
     ddp_kwargs: dict[str, Any]
 
 
+# [Note: one random stream for both copies]
+# Dropout (and any other random op in forward) must draw the same numbers in the DDP copy and
+# in the fshard copy, or equivalent models differ. The two copies run one after the other on
+# each rank, from the one global generator, so each micro-step saves the CPU (and CUDA) RNG state
+# before DDP's forward and backward and restores it before fshard's: both see the same stream,
+# and the state afterwards is where DDP's micro-step left it.
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 def _equivalence_worker(config: _Config) -> dict[str, Any]:
     import fshard
 
@@ -118,6 +151,13 @@ def _equivalence_worker(config: _Config) -> dict[str, Any]:
     ref_opt = config.optim_fn(ddp.parameters())
     opt = config.optim_fn(model.parameters()) if config.optimizer_before_shard else None
     config.shard_fn(model, mesh)
+    # Every rank learns every rank's count, so all of them stop here together when shard_fn
+    # sharded nothing (or sharded differently), instead of some training on alone and waiting.
+    sharded = sum(1 for p in model.parameters() if fshard.is_sharded(p))
+    counts: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(counts, sharded)
+    if min(counts) == 0 or len(set(counts)) > 1:
+        return {"sharded": counts, "parameters": sum(1 for _ in model.parameters())}
     if opt is None:
         opt = config.optim_fn(model.parameters())
     losses: list[float] = []
@@ -128,11 +168,13 @@ def _equivalence_worker(config: _Config) -> dict[str, Any]:
         for micro in range(config.grad_accum):
             batch = config.batch_fn(step * config.grad_accum + micro, rank)
             last = micro == config.grad_accum - 1
+            rng = _rng_state(device)  # [Note: one random stream for both copies]
             ddp_ctx = contextlib.nullcontext() if last else ddp.no_sync()
             with ddp_ctx:
                 loss = config.loss_fn(ddp, batch) / config.grad_accum
                 loss.backward()
             ddp_total += loss.detach().double().cpu()
+            _set_rng_state(rng, device)  # fshard's copy draws what DDP's drew
             ctx = (
                 contextlib.nullcontext()
                 if last
@@ -156,7 +198,40 @@ def _equivalence_worker(config: _Config) -> dict[str, Any]:
     for name, param in model.named_parameters():
         full = param.full_tensor() if fshard.is_sharded(param) else param.detach()
         params[name] = (ref_params[name].detach().cpu(), full.detach().cpu())
-    return {"losses": losses, "ddp_losses": ddp_losses, "params": params if rank == 0 else None}
+    return {
+        "sharded": counts,
+        "losses": losses,
+        "ddp_losses": ddp_losses,
+        "params": params if rank == 0 else None,
+    }
+
+
+def _argument_problems(
+    *,
+    world_size: int,
+    shape: tuple[int, ...],
+    steps: int,
+    grad_accum: int,
+    pool: RankPool | None,
+) -> list[str]:
+    """Every problem with ``assert_equivalent_to_ddp``'s arguments (empty if none)."""
+    problems = []
+    if world_size < 1:
+        problems.append(f"world_size must be >= 1, got {world_size}")
+    if len(shape) not in (1, 2):
+        problems.append(f"mesh_shape must be 1D (shard,) or 2D (replicate, shard), got {shape}")
+    if math.prod(shape) != world_size:
+        problems.append(f"mesh_shape {shape} has {math.prod(shape)} ranks but world_size is {world_size}")
+    if steps < 1:
+        problems.append(f"steps must be >= 1 (optimizer steps to compare), got {steps}")
+    if grad_accum < 1:
+        problems.append(f"grad_accum must be >= 1 (micro-batches per step), got {grad_accum}")
+    if pool is not None and pool.world_size != world_size:
+        problems.append(
+            f"pool has {pool.world_size} ranks but world_size is {world_size}; pass "
+            f"world_size={pool.world_size} or a pool of {world_size} rank(s)"
+        )
+    return problems
 
 
 def assert_equivalent_to_ddp(
@@ -187,8 +262,13 @@ def assert_equivalent_to_ddp(
     for ``steps`` optimizer steps computes ``loss_fn(model, batch_fn(micro_step, rank))`` on both
     and steps (gradient accumulation over ``grad_accum`` micro-batches through ``no_sync``; the
     default loss is ``model(*batch).pow(2).mean()``, computed in float32 unless the output is
-    float64; a batch that is not a tuple is passed as one argument), and compares every
-    step's loss on every rank and the final full parameters within ``rtol``/``atol``.
+    float64; a batch that is not a tuple is passed as one argument; a model whose output is not
+    a tensor needs its own ``loss_fn``), and compares every step's loss on every rank (a NaN or
+    infinite loss fails) and the final full parameters within ``rtol``/``atol``. Both copies
+    draw the same random numbers in each micro-step, so models with dropout compare exactly.
+    ``shard_fn`` must shard at least one parameter (``fshard.is_sharded``), or the check fails
+    rather than pass without testing fshard; ``steps`` and ``grad_accum`` must be >= 1, and a
+    ``pool`` must have ``world_size`` ranks (``ValueError`` before anything runs).
     ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters=True`` for models
     that skip layers). ``optimizer_before_shard`` builds fshard's optimizer before sharding, to
     check that parameter identity survives ``fully_shard``.
@@ -205,14 +285,11 @@ def assert_equivalent_to_ddp(
         >>> assert_equivalent_to_ddp(make, batch_fn=batch, world_size=2)  # doctest: +SKIP
     """
     shape = tuple(mesh_shape) if mesh_shape is not None else (world_size,)
-    product = 1
-    for s in shape:
-        product *= s
-    if product != world_size:
-        raise ValueError(
-            f"assert_equivalent_to_ddp: mesh_shape {shape} has {product} ranks but world_size is "
-            f"{world_size}"
-        )
+    problems = _argument_problems(
+        world_size=world_size, shape=shape, steps=steps, grad_accum=grad_accum, pool=pool
+    )
+    if problems:
+        raise ValueError("assert_equivalent_to_ddp: " + "; ".join(problems))
     config = _Config(
         model_fn=model_fn,
         shard_fn=shard_fn,
@@ -228,9 +305,35 @@ def assert_equivalent_to_ddp(
         ddp_kwargs=dict(ddp_kwargs or {}),
     )
     pool = pool or get_pool(world_size)
-    results = pool.run(_equivalence_worker, config, timeout=timeout)
+    try:
+        results = pool.run(_equivalence_worker, config, timeout=timeout)
+    except RanksFailed as failed:
+        errors = list(failed.errors.values())
+        if len(errors) == world_size and all(isinstance(e, _LossInputError) for e in errors):
+            raise TypeError(str(errors[0])) from failed
+        raise
+    counts = results[0]["sharded"]
+    if min(counts) == 0 or len(set(counts)) > 1:
+        fn_name = getattr(shard_fn, "__qualname__", None) or repr(shard_fn)
+        if len(set(counts)) > 1:
+            what = f"sharded different numbers of parameters on different ranks ({dict(enumerate(counts))})"
+        elif results[0]["parameters"] == 0:
+            what = "ran on a model without parameters"
+        else:
+            total = results[0]["parameters"]
+            what = f"left all {total} parameters of the model unsharded (fshard.is_sharded is False)"
+        raise AssertionError(
+            f"assert_equivalent_to_ddp: shard_fn ({fn_name}) {what}, so there is nothing to compare "
+            "with DDP; shard_fn(model, mesh) must call fshard.fully_shard on the model (and "
+            "the same modules on every rank)"
+        )
     for rank, result in enumerate(results):
         for step, (got, want) in enumerate(zip(result["losses"], result["ddp_losses"], strict=True)):
+            if not (math.isfinite(got) and math.isfinite(want)):
+                raise AssertionError(
+                    f"loss is not finite at step {step} on rank {rank}: fshard {got!r}, DDP "
+                    f"{want!r}; a NaN or infinite loss cannot show that the two agree"
+                )
             if abs(got - want) > atol + rtol * abs(want):
                 raise AssertionError(
                     f"loss differs from DDP at step {step} on rank {rank}: fshard {got!r}, "
@@ -254,4 +357,5 @@ def assert_equivalent_to_ddp(
         ddp_losses=[r["ddp_losses"] for r in results],
         max_param_diff=worst,
         params_compared=len(params),
+        params_sharded=counts[0],
     )

@@ -11,7 +11,25 @@ Nothing can hang the caller: every task runs under a timeout, and a rank that di
 answer in time fails the call with ``RankDied`` / ``RankTimeout``; the pool is then torn down and
 restarted on its next use. Exceptions raised on ranks come back as ``RanksFailed`` carrying every
 failing rank's exception and traceback, after all ranks have answered, so no stale result can
-leak into the next task.
+leak into the next task. See [Note: resetting the pool after a failed task] for when a
+``RanksFailed`` also restarts the pool.
+
+[Note: resetting the pool after a failed task]
+A task that fails on every rank before any collective (the usual test of a user error: every
+rank raises the same ``ValueError``) leaves the process group as it was, and the next task runs
+on the same ranks at no cost. Two kinds of failure do not:
+
+- a *communication error* on some rank (a collective timed out, a peer closed the connection:
+  torch's ``DistError`` family, ``fshard.CollectiveError``, or gloo/NCCL's own ``RuntimeError``,
+  recognised by its text). Gloo closes every connection of a pair that timed out, so each later
+  collective fails at once with "Connection closed by peer", in unrelated tasks;
+- an *asymmetric* failure: some ranks raised and others returned. The ranks that returned may
+  have issued collectives that the failing ranks never matched (or the reverse), so the next
+  task's collectives could pair with stale ones, or wait out the process group's timeout.
+
+After either kind the driver stops the ranks at once (``RanksFailed.pool_reset`` is True, and the
+message says so); the pool restarts, with a fresh process group, on its next use. A restart costs
+seconds, which is why a symmetric user error does not trigger one.
 """
 
 from __future__ import annotations
@@ -23,6 +41,7 @@ import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +57,11 @@ logger = logging.getLogger("fshard")
 class RanksFailed(RuntimeError):
     """One or more ranks raised; ``errors`` maps rank -> exception, ``tracebacks`` rank -> text.
 
+    ``pool_reset`` is True when the failure could have left the process group unusable (a rank
+    hit a communication error, or only some ranks raised): the pool's ranks were then stopped,
+    and it restarts with a fresh process group on its next use. See
+    [Note: resetting the pool after a failed task].
+
     Example:
         >>> import pytest
         >>> from fshard.testing import RanksFailed, get_pool
@@ -47,11 +71,24 @@ class RanksFailed(RuntimeError):
         True
     """
 
-    def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
+    def __init__(
+        self,
+        errors: dict[int, BaseException],
+        tracebacks: dict[int, str],
+        *,
+        reset_reason: str | None = None,
+    ) -> None:
         self.errors = errors
         self.tracebacks = tracebacks
+        self.pool_reset = reset_reason is not None
         first = min(errors)
-        parts = [f"{len(errors)} rank(s) failed: {sorted(errors)}"]
+        header = f"{len(errors)} rank(s) failed: {sorted(errors)}"
+        if reset_reason is not None:
+            header += (
+                f"; {reset_reason}, so the pool's process group was reset (its ranks were "
+                "stopped and restart on next use)"
+            )
+        parts = [header]
         for rank in sorted(tracebacks):
             parts.append(f"--- rank {rank} ---\n{tracebacks[rank].rstrip()}")
         super().__init__("\n".join(parts))
@@ -83,6 +120,67 @@ class RankTimeout(TimeoutError):
     """
 
 
+# Text of the RuntimeErrors that gloo and NCCL raise (they are not always torch's DistError types):
+# a timed-out collective, a peer that closed or reset its connection.
+_COMMUNICATION_ERROR_TEXTS = (
+    "third_party/gloo",
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "pair closure",
+    "Timed out waiting",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "NCCL error",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """True if ``exc``, or an exception it was raised from, says a collective or connection failed.
+
+    Looks at the ``__cause__``/``__context__`` chain: torch's ``DistError`` family (backend,
+    network and store errors), ``fshard.CollectiveError``, ``ConnectionError``, and
+    ``RuntimeError``s whose text is gloo's or NCCL's. See
+    [Note: resetting the pool after a failed task].
+
+    Example:
+        >>> _is_communication_error(RuntimeError("[pair.cc:553] Connection closed by peer"))
+        True
+        >>> _is_communication_error(ValueError("bad argument"))
+        False
+    """
+    import torch.distributed as dist
+
+    from fshard._errors import CollectiveError
+
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (dist.DistError, CollectiveError, ConnectionError)):
+            return True
+        if isinstance(current, RuntimeError) and any(t in str(current) for t in _COMMUNICATION_ERROR_TEXTS):
+            return True
+        pending += [current.__cause__, current.__context__]
+    return False
+
+
+def _failure_payload(exc: BaseException) -> bytes:
+    """``(exception, traceback text, is communication error)``, pickled for the driver."""
+    text = traceback.format_exc()
+    broke = _is_communication_error(exc)
+    try:
+        data = pickle.dumps((exc, text, broke))
+        pickle.loads(data)
+    except Exception:  # unpicklable exception: send its text
+        data = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), text, broke))
+    return data
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -98,20 +196,24 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
-    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]  # exported at runtime
-    device_id = None
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device_id = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout_s),
-        device_id=device_id,
-    )
+    try:
+        torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]  # exported at runtime
+        device_id = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device_id = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+            device_id=device_id,
+        )
+    except BaseException as exc:  # the driver says why this rank could not start
+        results.put((rank, -1, False, _failure_payload(exc)))
+        return
     results.put((rank, -1, True, b""))  # ready
     while True:
         item = tasks.get()
@@ -124,17 +226,65 @@ def _worker_main(
             data = pickle.dumps(value)
             results.put((rank, task_id, True, data))
         except BaseException as exc:  # reported to the driver, never swallowed
-            text = traceback.format_exc()
-            try:
-                data = pickle.dumps((exc, text))
-                pickle.loads(data)
-            except Exception:  # unpicklable exception: send its text
-                data = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), text))
-            results.put((rank, task_id, False, data))
+            results.put((rank, task_id, False, _failure_payload(exc)))
     try:
         dist.destroy_process_group()
     except Exception:  # best effort at shutdown
         pass
+
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def _pool_problems(
+    world_size: int, backend: str, timeout: float, pg_timeout: float, threads: int
+) -> list[str]:
+    """Every problem with ``RankPool``'s arguments (empty if none), each naming the argument."""
+    import torch
+    import torch.distributed as dist
+
+    problems = []
+    if world_size < 1:
+        problems.append(f"world_size must be >= 1, got {world_size}")
+    if backend not in _BACKENDS:
+        problems.append(
+            f"backend must be 'gloo' (CPU) or 'nccl' (one CUDA GPU per rank), got {backend!r}; "
+            "the pool spawns and joins its own ranks, so launcher-bound backends such as 'mpi' "
+            "do not fit it"
+        )
+    elif not dist.is_available():
+        problems.append(f"backend {backend!r} needs torch.distributed, which this torch build lacks")
+    elif backend == "gloo" and not dist.is_gloo_available():
+        problems.append("backend 'gloo' is not available in this torch build")
+    elif backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not dist.is_nccl_available() or gpus < world_size:
+            nccl = "NCCL is available" if dist.is_nccl_available() else "NCCL is not available"
+            problems.append(
+                f"backend 'nccl' needs one CUDA GPU per rank ({world_size} rank(s)), but this "
+                f"machine has {gpus} (torch.cuda.is_available() is {torch.cuda.is_available()}; "
+                f"{nccl}); use backend='gloo', which runs on CPU"
+            )
+    for name, value in (("timeout", timeout), ("pg_timeout", pg_timeout)):
+        if not value > 0:
+            problems.append(f"{name} must be > 0 seconds, got {value}")
+    if threads < 1:
+        problems.append(f"threads must be >= 1, got {threads}")
+    return problems
+
+
+def _main_guard_hint_applies() -> bool:
+    """True if spawned ranks re-run the main script (so a missing ``__main__`` guard can kill them).
+
+    ``spawn`` re-imports the main module in every child: by path for ``python script.py``, by
+    name for ``python -m pkg.mod`` (but never a package's ``__main__``), and not at all for an
+    interactive session or ``python -c``.
+    """
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return not (name == "__main__" or name.endswith(".__main__"))
+    return getattr(main, "__file__", None) is not None
 
 
 class RankPool:
@@ -142,7 +292,8 @@ class RankPool:
 
     Args:
         world_size: number of ranks.
-        backend: ``"gloo"`` (CPU, default) or ``"nccl"`` (one GPU per rank).
+        backend: ``"gloo"`` (CPU, default) or ``"nccl"`` (one CUDA GPU per rank, so it needs
+            ``world_size`` GPUs). Checked here, before any process starts.
         timeout: default seconds a task may take before the pool declares a hang.
         pg_timeout: the process group's own collective timeout, in seconds.
         threads: torch intra-op threads per rank (1 keeps small ranks from oversubscribing).
@@ -166,8 +317,9 @@ class RankPool:
         pg_timeout: float = 60.0,
         threads: int = 1,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
+        problems = _pool_problems(world_size, backend, timeout, pg_timeout, threads)
+        if problems:
+            raise ValueError("RankPool: " + "; ".join(problems))
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
@@ -251,7 +403,9 @@ class RankPool:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         Raises ``RanksFailed`` if any rank raised (after every rank answered), ``RankDied`` if
-        a rank process exited, ``RankTimeout`` if the task overran ``timeout`` seconds.
+        a rank process exited, ``RankTimeout`` if the task overran ``timeout`` seconds. After a
+        ``RankDied``, a ``RankTimeout``, or a ``RanksFailed`` whose ``pool_reset`` is True, the
+        pool restarts on its next use.
         """
         payload = pickle.dumps((fn, args, kwargs))
         self.start()
@@ -262,17 +416,34 @@ class RankPool:
         answers = self._collect(task_id, timeout if timeout is not None else self.timeout, what=getattr(fn, "__qualname__", repr(fn)))
         errors: dict[int, BaseException] = {}
         texts: dict[int, str] = {}
+        broken: list[int] = []
         values: list[Any] = []
         for rank in range(self.world_size):
             ok, data = answers[rank]
             if ok:
                 values.append(pickle.loads(data))
             else:
-                exc, text = pickle.loads(data)
+                exc, text, broke = pickle.loads(data)
                 errors[rank], texts[rank] = exc, text
+                if broke:
+                    broken.append(rank)
                 values.append(None)
         if errors:
-            raise RanksFailed(errors, texts)
+            # [Note: resetting the pool after a failed task]
+            reasons = []
+            if broken:
+                reasons.append(f"rank(s) {broken} hit a communication error")
+            if len(errors) < self.world_size:
+                returned = sorted(set(range(self.world_size)) - set(errors))
+                reasons.append(
+                    f"rank(s) {returned} returned while the others raised, so their collectives "
+                    "may be out of step"
+                )
+            reason = " and ".join(reasons) if reasons else None
+            if reason is not None:
+                logger.info("RankPool(%d): %s; stopping the ranks", self.world_size, reason)
+                self.close()
+            raise RanksFailed(errors, texts, reset_reason=reason)
         return values
 
     def _collect(self, task_id: int, timeout: float, what: str) -> dict[int, tuple[bool, bytes]]:
@@ -287,13 +458,15 @@ class RankPool:
                     codes = {r: self._procs[r].exitcode for r in dead}
                     self.close()
                     hint = ""
-                    if what == "start":
+                    if task_id == -1 and _main_guard_hint_applies():
                         hint = (
                             " (their stderr says why; from a script, start the pool under "
                             "`if __name__ == '__main__':`, since each rank re-imports the main "
                             "module, and define the functions it runs in an importable module "
                             "or that script)"
                         )
+                    elif task_id == -1:
+                        hint = " (their stderr says why)"
                     raise RankDied(
                         f"rank(s) {dead} died while running {what} (exit codes {codes}); "
                         f"the pool was stopped and will restart on next use{hint}"
@@ -306,8 +479,18 @@ class RankPool:
                         "a collective some ranks never joined); the pool was stopped"
                     ) from None
                 continue
-            if tid == task_id:
-                answers[rank] = (ok, data)
+            if tid != task_id:
+                continue
+            if task_id == -1 and not ok:
+                # A rank that could not join the process group leaves the others waiting in the
+                # rendezvous until its timeout: stop them now and say why.
+                exc, text, _ = pickle.loads(data)
+                self.close()
+                raise RankDied(
+                    f"rank {rank} failed to start ({type(exc).__name__}: {exc}); the pool was "
+                    f"stopped and will restart on next use\n--- rank {rank} ---\n{text.rstrip()}"
+                ) from None
+            answers[rank] = (ok, data)
         return answers
 
 
