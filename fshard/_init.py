@@ -53,9 +53,9 @@ def materialize(
     eager construction does. A model that re-initialises its weights in ``__init__`` (GPT-2 /
     Hugging Face ``_init_weights`` style) needs ``init_fn`` doing the same per module. An
     initialiser that draws into a submodule's parameter (which holds this rank's shard by
-    then) is an error naming it (fills such as ``nn.init.zeros_`` are fine: they give the
-    same rows), and a module that owns no parameters but has an initialiser, which
-    materialize does not run (``nn.Transformer``'s), is named in a warning.
+    then) is an error naming it (elementwise changes such as ``nn.init.zeros_`` or ``mul_``
+    are fine: they give the same rows), and a module that owns no parameters but has an
+    initialiser, which materialize does not run (``nn.Transformer``'s), is named in a warning.
     Initialisers run on the mesh's device, so on a CUDA mesh they draw from the CUDA generator:
     the result equals a model built under ``torch.device("cuda")`` with the same seed, not one
     built on the CPU and moved. Returns ``model``.
@@ -225,6 +225,7 @@ def _init_module(
         module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
     # The shards it must not touch: its submodules' (and its own that it does not initialise).
     guard = _ShardWrites([(n, p) for n, p in module.named_parameters() if is_sharded(p)])
+    failed: Exception | None = None
     try:
         with torch.no_grad(), guard:
             if init_fn is not None:
@@ -234,21 +235,25 @@ def _init_module(
                 if initialiser is None:  # _check_initialisers rules this out
                     raise RuntimeError(f"materialize: {type(module).__name__} lost its reset_parameters()")
                 initialiser()
+    except Exception as exc:  # torch's own error about a write into a shard: say why, below
+        if not guard.writes:
+            raise
+        failed = exc
     finally:
         initialised = dict(module._parameters)
         module._parameters.update(originals)
     if guard.writes:
         who = "init_fn" if init_fn is not None else f"{type(module).__name__}.{_initialiser(module).__name__}()"  # type: ignore[union-attr]  # checked above
         raise ValueError(
-            f"materialize: {who} of module {fqn!r} writes into parameter(s) "
+            f"materialize: {who} of module {fqn!r} draws or writes values into parameter(s) "
             f"{first_few(guard.writes)}, which are not its own to initialise (a submodule's) "
             "and hold this rank's shard by then: materialize initialises one module's own "
-            "parameters at a time, on a full-size copy, so these would get the same numbers on "
-            "every rank (and fans computed from the shard's shape). Only fills (constant_, zeros_, "
-            "fill_, zero_) are allowed there. Make each module's initialiser draw only its own "
-            "parameters (or pass init_fn doing that per module), or initialise the model before "
-            "sharding it."
-        )
+            "parameters at a time, on a full-size copy, so every rank would draw the same "
+            "numbers for its rows (and nn.init would compute fans from the shard's shape). "
+            "Elementwise changes there are fine (fills, mul_, clamp_). Make each module's "
+            "initialiser draw only its own parameters (or pass init_fn doing that per module), "
+            "or initialise the model before sharding it."
+        ) from failed
     for name, param in needs:
         if id(param) in done:
             continue  # tied: the first owner initialised it; this run only advanced the RNG
@@ -266,13 +271,27 @@ def _init_module(
 
 
 class _ShardWrites(TorchFunctionMode):
-    """Records in-place writes other than fills into ``shards`` (or views of them) while a
-    module's initialiser runs. A fill gives the full tensor's rows whatever the shape; a draw
-    (``normal_``, ``uniform_``) or a shape-dependent init (``xavier_*``, ``orthogonal_``)
-    applied to a shard does not. Decided by the calls made, the same on every rank."""
+    """Records the draws and the writes by position into ``shards`` (or views of them) while a
+    module's initialiser runs. An elementwise change (a fill, ``mul_``, ``clamp_``) gives the
+    full tensor's rows whatever the shape; a draw (``normal_``, ``uniform_``, nn.init's
+    initialisers, which also read the shape) or a write of another tensor's values (``copy_``,
+    ``w[:] = ...``, ``w.data = ...``, ``out=w``) into a shard does not. Decided by the calls
+    made, the same on every rank. Values computed elsewhere from the shard's shape and then
+    added in (``w.add_(torch.randn(w.shape))``) are not seen."""
 
-    # Tensor methods, and nn.init's functions (which pass the tensor as keyword ``tensor``).
-    _FILLS = frozenset({"fill_", "zero_", "constant_", "zeros_", "ones_"})
+    _WRITES = frozenset(
+        {
+            # random draws, as tensor methods and as nn.init functions (the tensor by keyword)
+            "normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_",
+            "cauchy_", "log_normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+            "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_", "eye_", "dirac_",
+            # another tensor's values, or writes by position
+            "copy_", "set_", "__setitem__", "index_fill_", "index_copy_", "index_add_",
+            "index_put_", "index_reduce_", "fill_diagonal_", "scatter_", "scatter_add_",
+            "scatter_reduce_", "masked_scatter_", "put_", "resize_", "resize_as_", "as_strided_",
+            "t_", "transpose_", "swapdims_", "squeeze_", "unsqueeze_",
+        }
+    )  # fmt: skip
 
     def __init__(self, shards: list[tuple[str, torch.Tensor]]) -> None:
         super().__init__()
@@ -283,6 +302,11 @@ class _ShardWrites(TorchFunctionMode):
         found = self._watched.get(id(value))
         return found[0] if found is not None and found[1] is value else None
 
+    def _record(self, name: str, op: str) -> None:
+        write = f"{name!r} ({op})"
+        if write not in self.writes:
+            self.writes.append(write)
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -291,16 +315,23 @@ class _ShardWrites(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
         target = args[0] if args else kwargs.get("tensor")
         name = self._name_of(target)
-        if name is None:
-            return result
         op = getattr(func, "__name__", "")
-        if op.endswith("_") and not op.startswith("__") and op not in self._FILLS:
-            write = f"{name!r} ({op})"
-            if write not in self.writes:
-                self.writes.append(write)
-        elif isinstance(result, torch.Tensor) and torch._C._is_alias_of(result, target):  # type: ignore[attr-defined]  # private, stable since 1.x
+        writes = op in self._WRITES or (
+            op == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+        )
+        if name is not None and writes:
+            self._record(name, ".data =" if op == "__set__" else op)
+        out_name = self._name_of(kwargs.get("out"))
+        if out_name is not None:
+            self._record(out_name, f"{op}(out=)")
+        result = func(*args, **kwargs)  # (recorded first: it may raise on a shard)
+        if (
+            name is not None
+            and not writes
+            and isinstance(result, torch.Tensor)
+            and torch._C._is_alias_of(result, target)  # type: ignore[attr-defined]  # private, stable since 1.x
+        ):
             self._watched[id(result)] = (name, result)  # p.data, p.view(...), p[0]: writes count too
         return result

@@ -280,6 +280,12 @@ class DrawsIntoChild(nn.Module):
             nn.init.xavier_uniform_(self.child.weight)
         elif self.how == "data":
             self.child.weight.data.normal_(std=0.02)
+        elif self.how == "setitem":
+            with torch.no_grad():
+                self.child.weight[:] = torch.randn(self.child.weight.shape)
+        elif self.how == "scale":  # elementwise (GPT-2's scaled residual projections): fine
+            with torch.no_grad():
+                self.child.weight.mul_(0.5).clamp_(-0.1, 0.1)
 
 
 def _draws_into_child_worker(how: str):
@@ -293,22 +299,27 @@ def _draws_into_child_worker(how: str):
     return all(torch.equal(p.full_tensor(), eager.get_parameter(n)) for n, p in lazy.named_parameters())
 
 
-@pytest.mark.parametrize("how", ["init", "data"])
-def test_materialize_refuses_an_initialiser_drawing_into_a_submodules_shard(how):
+@pytest.mark.parametrize("how, op", [("init", "uniform_"), ("data", "normal_"), ("setitem", "__setitem__")])
+def test_materialize_refuses_an_initialiser_drawing_into_a_submodules_shard(how, op):
     """The parent's initialiser runs after its child was sharded: its draws filled the shard
     (the same numbers on every rank; xavier's fan from the shard's shape), silently unlike
-    eager init. Fills are fine, and a parent that only fills matches eager."""
+    eager init."""
     from fshard.testing import RanksFailed
 
     with pytest.raises(RanksFailed) as info:
         get_pool(2).run(_draws_into_child_worker, how)
-    op = "uniform_" if how == "init" else "normal_"
     for exc in info.value.errors.values():
         assert isinstance(exc, ValueError), exc
         message = str(exc)
         assert "DrawsIntoChild.reset_parameters() of module '<root>'" in message, message
         assert f"'child.weight' ({op})" in message and "'child.bias'" not in message, message
-    assert get_pool(2).run(_draws_into_child_worker, "fills only") == [True, True]
+
+
+@pytest.mark.parametrize("how", ["fills only", "scale"])
+def test_materialize_lets_an_initialiser_change_a_submodules_shard_elementwise(how):
+    """Fills and elementwise changes (a parent scaling its child's weight, GPT-2 style) give
+    the same rows sharded or not: materialize equals eager init."""
+    assert get_pool(2).run(_draws_into_child_worker, how) == [True, True]
 
 
 class InitsChildren(nn.Module):
