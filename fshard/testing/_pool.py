@@ -25,7 +25,10 @@ on the same ranks at no cost. Two kinds of failure do not:
   collective fails at once with "Connection closed by peer", in unrelated tasks;
 - an *asymmetric* failure: some ranks raised and others returned. The ranks that returned may
   have issued collectives that the failing ranks never matched (or the reverse), so the next
-  task's collectives could pair with stale ones, or wait out the process group's timeout.
+  task's collectives could pair with stale ones, or wait out the process group's timeout;
+- ranks that all raised after issuing different numbers of collectives on some process group
+  (torch's per-group sequence numbers, which each failing rank reports): one was left
+  unmatched, with the same consequence.
 
 After either kind the driver stops the ranks at once (``RanksFailed.pool_reset`` is True, and the
 message says so); the pool restarts, with a fresh process group, on its next use. A restart costs
@@ -128,7 +131,8 @@ _COMMUNICATION_ERROR_TEXTS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "pair closure",
-    "Timed out waiting",
+    "ms for recv",  # gloo: "Timed out waiting 15000ms for recv operation to complete"
+    "ms for send",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "NCCL error",
@@ -169,16 +173,35 @@ def _is_communication_error(exc: BaseException) -> bool:
     return False
 
 
-def _failure_payload(exc: BaseException) -> bytes:
-    """``(exception, traceback text, is communication error)``, pickled for the driver."""
+def _failure_payload(exc: BaseException, counts: dict[str, int] | None = None) -> bytes:
+    """``(exception, traceback text, is communication error, collective counts)``, pickled for
+    the driver."""
     text = traceback.format_exc()
     broke = _is_communication_error(exc)
     try:
-        data = pickle.dumps((exc, text, broke))
+        data = pickle.dumps((exc, text, broke, counts))
         pickle.loads(data)
     except Exception:  # unpicklable exception: send its text
-        data = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), text, broke))
+        data = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), text, broke, counts))
     return data
+
+
+def _collective_counts() -> dict[str, int] | None:
+    """How many collectives this rank issued on each of its process groups (torch's per-group
+    sequence numbers, private; None where unavailable). Ranks that all raised but issued
+    different counts left a collective unmatched: [Note: resetting the pool after a failed
+    task]. (Point-to-point sends count on their two ranks only, so a difference may also be
+    harmless: then the reset only costs a restart.)"""
+    import torch.distributed as dist
+
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return {
+            g.group_name: int(g._get_sequence_number_for_group())  # type: ignore[attr-defined]  # private, at runtime
+            for g in groups
+        }
+    except Exception:  # private API: no counts, no comparison
+        return None
 
 
 def _worker_main(
@@ -226,11 +249,32 @@ def _worker_main(
             data = pickle.dumps(value)
             results.put((rank, task_id, True, data))
         except BaseException as exc:  # reported to the driver, never swallowed
-            results.put((rank, task_id, False, _failure_payload(exc)))
+            results.put((rank, task_id, False, _failure_payload(exc, _collective_counts())))
     try:
         dist.destroy_process_group()
     except Exception:  # best effort at shutdown
         pass
+
+
+def _counts_differ(counts: dict[int, dict[str, int] | None]) -> bool:
+    """Whether some process group's collective count differs between the ranks holding it."""
+    by_group: dict[str, set[int]] = {}
+    for per_rank in counts.values():
+        if per_rank is None:
+            return False  # not known on every rank
+        for name, count in per_rank.items():
+            by_group.setdefault(name, set()).add(count)
+    return any(len(seen) > 1 for seen in by_group.values())
+
+
+def _describe_counts(counts: dict[int, dict[str, int] | None]) -> str:
+    """The first process group whose counts differ, per rank, for the message."""
+    names = sorted({n for c in counts.values() if c for n in c})
+    for name in names:
+        per_rank = {r: c[name] for r, c in sorted(counts.items()) if c and name in c}
+        if len(set(per_rank.values())) > 1:
+            return f"process group {name!r}, count per rank {per_rank}"
+    return "?"
 
 
 _BACKENDS = ("gloo", "nccl")
@@ -417,13 +461,14 @@ class RankPool:
         errors: dict[int, BaseException] = {}
         texts: dict[int, str] = {}
         broken: list[int] = []
+        counts: dict[int, dict[str, int] | None] = {}
         values: list[Any] = []
         for rank in range(self.world_size):
             ok, data = answers[rank]
             if ok:
                 values.append(pickle.loads(data))
             else:
-                exc, text, broke = pickle.loads(data)
+                exc, text, broke, counts[rank] = pickle.loads(data)
                 errors[rank], texts[rank] = exc, text
                 if broke:
                     broken.append(rank)
@@ -438,6 +483,11 @@ class RankPool:
                 reasons.append(
                     f"rank(s) {returned} returned while the others raised, so their collectives "
                     "may be out of step"
+                )
+            elif not broken and _counts_differ(counts):
+                reasons.append(
+                    "the ranks raised after issuing different numbers of collectives (one left "
+                    f"unmatched: {_describe_counts(counts)})"
                 )
             reason = " and ".join(reasons) if reasons else None
             if reason is not None:
@@ -484,7 +534,7 @@ class RankPool:
             if task_id == -1 and not ok:
                 # A rank that could not join the process group leaves the others waiting in the
                 # rendezvous until its timeout: stop them now and say why.
-                exc, text, _ = pickle.loads(data)
+                exc, text, *_ = pickle.loads(data)
                 self.close()
                 raise RankDied(
                     f"rank {rank} failed to start ({type(exc).__name__}: {exc}); the pool was "

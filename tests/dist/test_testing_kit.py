@@ -93,6 +93,28 @@ def test_a_rank_that_returns_while_another_raises_resets_the_pool():
         pool.close()
 
 
+def _every_rank_raises_after_an_unmatched_all_reduce() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.full((1,), 100.0), async_op=True)  # no other rank joins it
+    raise ValueError("the same error on every rank")
+
+
+def test_every_rank_raising_after_an_unmatched_collective_resets_the_pool():
+    """Every rank raised, but rank 0 had issued a collective the others never joined: the
+    ranks kept running, and the next task's all_reduce paired with the stale one (a wrong
+    value on one rank, a timeout on the other)."""
+    pool = RankPool(2, timeout=60, pg_timeout=3)
+    try:
+        with pytest.raises(RanksFailed) as info:
+            pool.run(_every_rank_raises_after_an_unmatched_all_reduce)
+        message = str(info.value).splitlines()[0]
+        assert info.value.pool_reset, message
+        assert "issuing different numbers of collectives" in message
+        assert pool.run(_all_reduce_ranks) == [3.0, 3.0]
+    finally:
+        pool.close()
+
+
 def _shard_fails_on_rank1(model: nn.Module, mesh) -> None:
     if dist.get_rank() == 1:
         raise RuntimeError("simulated failure on rank 1 only")
@@ -140,6 +162,7 @@ _GLOO_CLOSED = (
         (ValueError("bad input on rank 0"), False),
         (fshard.RankMismatchError("ranks built different sharded models"), False),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x5 and 6x7)"), False),
+        (RuntimeError("Timed out waiting for the user's lock"), False),
         (TypeError("not a tensor"), False),
     ],
     ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
