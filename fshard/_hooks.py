@@ -1122,7 +1122,11 @@ def check_params_in_place(groups: list[ParamGroup], *, before_init: nn.Module | 
         for slot in group.slots:
             for module, name in slot.registrations:
                 current = module._parameters.get(name)
-                if current is None or current is slot.sharded_param or current is slot.unsharded_param:
+                if current is None and before_init is not None:
+                    continue  # moved (a parametrization registered since): root init finds it
+                if current is not None and (
+                    current is slot.sharded_param or current is slot.unsharded_param
+                ):
                     continue
                 if before_init is not None and is_sharded(current):
                     continue
@@ -1131,6 +1135,15 @@ def check_params_in_place(groups: list[ParamGroup], *, before_init: nn.Module | 
                     names = {id(m): n for n, m in before_init.named_modules()}
                     fqn = f"{names[id(module)]}.{name}".lstrip(".")
                     unit = repr(names[id(group.module)]) if names[id(group.module)] else "<root>"
+                if current is None:
+                    raise ValueError(
+                        f"fshard: parameter {fqn!r} of unit {unit} was removed from its module "
+                        f"after the model ran ({type(module).__name__}.{name} is no longer a "
+                        "parameter there: torch.nn.utils.parametrize.register_parametrization, "
+                        "parametrizations.weight_norm or prune move it); fshard would put its "
+                        "gathered copy back where the module no longer reads it. Apply them "
+                        "before the first forward (best, before calling fully_shard)."
+                    )
                 if not isinstance(current, nn.Parameter):
                     raise ValueError(
                         f"fshard: parameter {fqn!r} of unit {unit} holds another "

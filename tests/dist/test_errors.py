@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from unittest import mock
 import time
@@ -379,6 +380,45 @@ def test_a_parameter_replaced_after_fully_shard_is_an_error(when):
         match=lambda m: "parameter 'layers.1.weight' of unit 'layers.1' was replaced after fully_shard" in m
         and "p.to_local().copy_(...)" in m,
     )  # fmt: skip
+
+
+class _Doubled(nn.Module):  # elementwise: registering it on a shard succeeds
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def _parametrized(when: str) -> bool:
+    from torch.nn.utils import parametrize
+
+    model = _mlp()
+    square = nn.Linear(7, 7)
+    model.insert(2, square)
+    reference = copy.deepcopy(model)
+    parametrize.register_parametrization(reference[2], "weight", _Doubled())
+    if when == "before-sharding":
+        parametrize.register_parametrization(square, "weight", _Doubled())
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    if when == "after-a-step":
+        model(torch.randn(4, 5)).sum().backward()
+    if when != "before-sharding":
+        parametrize.register_parametrization(square, "weight", _Doubled())
+    x = torch.randn(4, 5)
+    return torch.allclose(model(x), reference(x))
+
+
+def test_a_parametrization_registered_after_the_model_ran_is_an_error():
+    """register_parametrization moves the parameter out of the module (into
+    parametrizations.weight.original), where fshard no longer gathered it once the model had
+    run: the forward computed with the shard (torch's shape error, naming neither fshard nor
+    the parameter). Registered before sharding, or before the first forward (root init finds
+    the parameter where it moved), it computes as the plain model does."""
+    _all_ranks_raise(
+        2, _parametrized, "after-a-step",
+        match=lambda m: "parameter '2.weight' of unit <root> was removed from its module after the model ran" in m
+        and "Apply them before the first forward" in m,
+    )  # fmt: skip
+    for when in ("before-sharding", "before-the-first-forward"):
+        assert get_pool(2).run(_parametrized, when) == [True, True], when
 
 
 def _functional_call(first: bool):
