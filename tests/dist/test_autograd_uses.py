@@ -398,11 +398,30 @@ def _averaged_like_ddp(model: nn.Module) -> None:
 
 def _assert_grads_are_my_rows(model: nn.Module, reference: nn.Module) -> None:
     """Each sharded ``.grad`` equals this rank's rows (its shard-dim coordinate's torch.chunk)
-    of the reference's averaged gradient."""
+    of the reference's averaged gradient (and is None where the reference's is)."""
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is None:
+            continue
         mesh = p.device_mesh
         mine = q.grad.chunk(mesh.size(-1))[mesh.get_local_rank(-1)]
         torch.testing.assert_close(p.grad, mine, rtol=1e-5, atol=1e-6)
+
+
+def _rank_batch(step: int, *shape: int) -> torch.Tensor:
+    """This rank's input for ``step`` (different on every rank, the same in both models)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+
+
+def _step_like_ddp(model: nn.Module, reference: nn.Module, opts: list[torch.optim.Optimizer]) -> None:
+    """After both models' backward: average the reference's gradients as DDP does, compare the
+    sharded ones with their rows, step both, and check nothing stays gathered."""
+    _averaged_like_ddp(reference)
+    _assert_grads_are_my_rows(model, reference)
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    assert fshard.memory_stats().gathered_bytes == 0
 
 
 def _no_moment_worker(how: str) -> bool:
@@ -415,14 +434,10 @@ def _no_moment_worker(how: str) -> bool:
     fshard.fully_shard(model, mesh=mesh)
     opts = _sgd(reference, model)
     for step in range(2):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        x = _rank_batch(step, 4, 6)
         for m in (reference, model):
             m(x).pow(2).mean().backward()
-        _averaged_like_ddp(reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert fshard.memory_stats().gathered_bytes == 0
+        _step_like_ddp(model, reference, opts)
     _assert_params_equal(model, reference)
     return True
 
@@ -654,15 +669,10 @@ def _retained_worker(pattern: str, reshard_after_forward: bool) -> bool:
     fshard.fully_shard(model, mesh=mesh)
     opts = _sgd(reference, model)
     for step in range(3):
-        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        x = _rank_batch(step, 6, 4)
         for m in (reference, model):
             _retained_backwards(m, x, pattern)
-        _averaged_like_ddp(reference)
-        _assert_grads_are_my_rows(model, reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert fshard.memory_stats().gathered_bytes == 0
+        _step_like_ddp(model, reference, opts)
     _assert_params_equal(model, reference)
     return True
 
@@ -795,19 +805,10 @@ def _unit_output_changed_in_place_worker(how: str) -> bool:
     for step in range(3):
         for m in (reference, model):
             m.adapter.enabled = step == 1
-        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        x = _rank_batch(step, 4, 5)
         for m in (reference, model):
             m(x).tanh().sum().backward()
-        _averaged_like_ddp(reference)
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            assert (p.grad is None) == (q.grad is None)
-        _assert_grads_are_my_rows(
-            nn.ModuleList([model.inp, model.head]), nn.ModuleList([reference.inp, reference.head])
-        )
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert fshard.memory_stats().gathered_bytes == 0
+        _step_like_ddp(model, reference, opts)
     _assert_params_equal(model, reference)
     return True
 
@@ -833,14 +834,10 @@ def _vmap_worker(reshard_after_forward: bool) -> bool:
     fshard.fully_shard(model, mesh=mesh)
     opts = _sgd(reference, model)
     for step in range(3):
-        xs = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        xs = _rank_batch(step, 2, 5, 4)
         for m in (reference, model):
             torch.func.vmap(m)(xs).pow(2).mean().backward()
-        _averaged_like_ddp(reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert fshard.memory_stats().gathered_bytes == 0
+        _step_like_ddp(model, reference, opts)
         with torch.no_grad():  # an evaluation under vmap between steps
             torch.testing.assert_close(torch.func.vmap(model)(xs), torch.func.vmap(reference)(xs))
     _assert_params_equal(model, reference)
@@ -893,7 +890,7 @@ def _retry_worker(reshard_after_forward: bool) -> bool:
     fshard.fully_shard(model, mesh=mesh)
     opts = _sgd(reference, model)
     for step in range(3):
-        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        x = _rank_batch(step, 6, 4)
         for m, opt in zip((reference, model), opts, strict=True):
             loss = m(x).pow(2).mean()
             m.failures = 1 if step != 1 else 0
@@ -902,12 +899,7 @@ def _retry_worker(reshard_after_forward: bool) -> bool:
             if step != 1:  # the same graph again, from clean gradients
                 opt.zero_grad()
                 loss.backward()
-        _averaged_like_ddp(reference)
-        _assert_grads_are_my_rows(model, reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert fshard.memory_stats().gathered_bytes == 0
+        _step_like_ddp(model, reference, opts)
     _assert_params_equal(model, reference)
     return True
 
