@@ -175,6 +175,9 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.reduce_scatter_while_accumulating = False
         self._pending_gather: list[tuple[FlatBucket, dist.Work | None, torch.Tensor]] = []
+        # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
+        # (passed, what the unit was given), to hand back the latter if the unit returns one.
+        self.passed_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         # Sharded partial sums awaiting the cross-replica all-reduce (HSDP, reduce_scatter=True).
         self._partials: dict[int, _Reduced] = {}
         self._grad_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -563,9 +566,6 @@ class ParamGroup:
         # backward).
         self._segments: weakref.WeakSet[_SegmentClaim] = weakref.WeakSet()
         self._reduced = False
-        # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
-        # (passed, what the unit was given), to hand back the latter if the unit returns one.
-        self.passed_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
         self._nested_grads = False  # some gradient arrived in another (nested) graph task

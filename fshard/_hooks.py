@@ -1122,13 +1122,14 @@ def check_params_in_place(groups: list[ParamGroup], *, before_init: nn.Module | 
         for slot in group.slots:
             for module, name in slot.registrations:
                 current = module._parameters.get(name)
-                if current is None and before_init is not None:
-                    continue  # moved (a parametrization registered since): root init finds it
-                if current is not None and (
-                    current is slot.sharded_param or current is slot.unsharded_param
+                if current is None:
+                    if before_init is not None:
+                        continue  # moved (a parametrization registered since): root init finds it
+                elif (
+                    current is slot.sharded_param
+                    or current is slot.unsharded_param
+                    or (before_init is not None and is_sharded(current))
                 ):
-                    continue
-                if before_init is not None and is_sharded(current):
                     continue
                 fqn, unit = slot.fqn, group.label
                 if before_init is not None:  # no FQNs yet
@@ -1331,11 +1332,11 @@ def _post_forward(
     kwargs: dict[str, Any],
     output: Any,
 ) -> Any:
+    passed, group.passed_inputs = group.passed_inputs, None  # (also a recompute's: dropped)
     if in_backward():
         return None
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
     grad_enabled = torch.is_grad_enabled()
-    passed, group.passed_inputs = group.passed_inputs, None
     handed_back: set[int] = set()  # inputs returned as given: no hook of this unit on them
     if passed is not None:
         output = _unwrap_returned_inputs(output, passed, handed_back)
