@@ -155,10 +155,8 @@ def _warn_skipped_initialisers(
         return
     skipped = []
     for module in model.modules():
-        owns = any(p is not None and id(p) in meta_params for p in module._parameters.values())
-        owns = owns or any(b is not None and b.is_meta for b in module._buffers.values())
         below = any(id(p) in meta_params for p in module.parameters())
-        if not owns and below and _initialiser(module) is not None:
+        if below and not _owns_meta(module, meta_params) and _initialiser(module) is not None:
             skipped.append(f"{names[id(module)]!r} ({type(module).__name__})")
     if skipped:
         warnings.warn(
@@ -181,6 +179,14 @@ def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
     yield module
 
 
+def _owns_meta(module: nn.Module, meta_params: set[int]) -> bool:
+    """Whether ``module`` itself (not a submodule) holds meta parameters or buffers, which
+    materialize initialises with its initialiser."""
+    return any(p is not None and id(p) in meta_params for p in module._parameters.values()) or any(
+        b is not None and b.is_meta for b in module._buffers.values()
+    )
+
+
 def _initialiser(module: nn.Module) -> Callable[[], None] | None:
     """``reset_parameters``, or the private ``_reset_parameters`` some torch modules use
     (``nn.MultiheadAttention``)."""
@@ -198,9 +204,7 @@ def _check_initialisers(
         return
     problems = ProblemList("materialize")
     for name, module in model.named_modules():
-        owns_meta = any(p is not None and id(p) in meta_params for p in module._parameters.values())
-        owns_meta = owns_meta or any(b is not None and b.is_meta for b in module._buffers.values())
-        if owns_meta and _initialiser(module) is None:
+        if _owns_meta(module, meta_params) and _initialiser(module) is None:
             problems.add(
                 f"module {name or '<root>'!r} ({type(module).__name__}) owns meta parameters or "
                 "buffers but has no reset_parameters()"
