@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
-from fshard._errors import ProblemList, internal_error
+from fshard._errors import ProblemList, first_few, internal_error
 from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._hooks import SHARDS_KEY, check_optimizer_state, unit_of, units_or_error
 from fshard._mesh import MeshInfo
@@ -706,22 +706,17 @@ def _meta_problems(entries: list[_Entry]) -> list[str]:
     problems = []
     if params:
         problems.append(
-            f"{len(params)} parameter(s) are on the meta device ({_some([repr(k) for k in sorted(params)])}); call "
+            f"{len(params)} parameter(s) are on the meta device ({first_few([repr(k) for k in sorted(params)])}); call "
             "fshard.materialize(model) before loading weights into it"
         )
     if buffers:
         problems.append(
-            f"{len(buffers)} buffer(s) are on the meta device ({_some([repr(k) for k in sorted(buffers)])}): a load "
+            f"{len(buffers)} buffer(s) are on the meta device ({first_few([repr(k) for k in sorted(buffers)])}): a load "
             "copies into the model's buffers, which leaves a meta buffer without data; call "
             "fshard.materialize(model) (it allocates meta buffers too) before loading weights "
             "into it"
         )
     return problems
-
-
-def _some(items: list[str]) -> str:
-    """The first five of ``items``, then "..." if there are more."""
-    return ", ".join(items[:5]) + (" ..." if len(items) > 5 else "")
 
 
 def _on_meta(value: Any) -> bool:
@@ -737,7 +732,7 @@ def _meta_value_problems(whats: list[str]) -> list[str]:
     if not whats:
         return []
     return [
-        f"{len(whats)} tensor(s) of the state dict are on the meta device ({_some(whats)}): a meta "
+        f"{len(whats)} tensor(s) of the state dict are on the meta device ({first_few(whats)}): a meta "
         "tensor holds no data (a weight that an empty-weights load, such as init_empty_weights "
         "or low_cpu_mem_usage, left unfilled), so it cannot be loaded; pass a state dict whose "
         "tensors hold their values"
@@ -867,7 +862,7 @@ def _load_from_rank0(
         if empty:
             local_problems.append(
                 f"{len(empty)} non-persistent buffer(s) are on the meta device on rank {src} "
-                f"({_some([repr(k) for k in empty])}): broadcast_from_rank0 copies them from rank {src}'s model "
+                f"({first_few([repr(k) for k in empty])}): broadcast_from_rank0 copies them from rank {src}'s model "
                 f"(they are in no state dict), so rank {src} must hold their values; build the "
                 f"model on rank {src} without torch.device('meta') (the other ranks may use it)"
             )
