@@ -120,21 +120,9 @@ class _Config:
 # [Note: one random stream for both copies]
 # Dropout (and any other random op in forward) must draw the same numbers in the DDP copy and
 # in the fshard copy, or equivalent models differ. The two copies run one after the other on
-# each rank, from the one global generator, so each micro-step saves the CPU (and CUDA) RNG state
-# before DDP's forward and backward and restores it before fshard's: both see the same stream,
-# and the state afterwards is where DDP's micro-step left it.
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
+# each rank, from the one global generator, so each micro-step runs DDP's forward and backward
+# under torch.random.fork_rng (which restores the CPU, and CUDA, state after it): fshard's copy
+# then draws the same stream, and leaves the state where DDP's micro-step would have.
 
 
 def _equivalence_worker(config: _Config) -> dict[str, Any]:
@@ -168,13 +156,12 @@ def _equivalence_worker(config: _Config) -> dict[str, Any]:
         for micro in range(config.grad_accum):
             batch = config.batch_fn(step * config.grad_accum + micro, rank)
             last = micro == config.grad_accum - 1
-            rng = _rng_state(device)  # [Note: one random stream for both copies]
             ddp_ctx = contextlib.nullcontext() if last else ddp.no_sync()
-            with ddp_ctx:
+            # [Note: one random stream for both copies]
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), ddp_ctx:
                 loss = config.loss_fn(ddp, batch) / config.grad_accum
                 loss.backward()
             ddp_total += loss.detach().double().cpu()
-            _set_rng_state(rng, device)  # fshard's copy draws what DDP's drew
             ctx = (
                 contextlib.nullcontext()
                 if last
@@ -206,32 +193,35 @@ def _equivalence_worker(config: _Config) -> dict[str, Any]:
     }
 
 
-def _argument_problems(
+def _check_arguments(
     *,
     world_size: int,
     shape: tuple[int, ...],
     steps: int,
     grad_accum: int,
     pool: RankPool | None,
-) -> list[str]:
-    """Every problem with ``assert_equivalent_to_ddp``'s arguments (empty if none)."""
-    problems = []
+) -> None:
+    """Raise one ``ValueError`` naming every problem with ``assert_equivalent_to_ddp``'s
+    arguments."""
+    from fshard._errors import ProblemList
+
+    problems = ProblemList("assert_equivalent_to_ddp")
     if world_size < 1:
-        problems.append(f"world_size must be >= 1, got {world_size}")
+        problems.add(f"world_size must be >= 1, got {world_size}")
     if len(shape) not in (1, 2):
-        problems.append(f"mesh_shape must be 1D (shard,) or 2D (replicate, shard), got {shape}")
+        problems.add(f"mesh_shape must be 1D (shard,) or 2D (replicate, shard), got {shape}")
     if math.prod(shape) != world_size:
-        problems.append(f"mesh_shape {shape} has {math.prod(shape)} ranks but world_size is {world_size}")
+        problems.add(f"mesh_shape {shape} has {math.prod(shape)} ranks but world_size is {world_size}")
     if steps < 1:
-        problems.append(f"steps must be >= 1 (optimizer steps to compare), got {steps}")
+        problems.add(f"steps must be >= 1 (optimizer steps to compare), got {steps}")
     if grad_accum < 1:
-        problems.append(f"grad_accum must be >= 1 (micro-batches per step), got {grad_accum}")
+        problems.add(f"grad_accum must be >= 1 (micro-batches per step), got {grad_accum}")
     if pool is not None and pool.world_size != world_size:
-        problems.append(
+        problems.add(
             f"pool has {pool.world_size} ranks but world_size is {world_size}; pass "
             f"world_size={pool.world_size} or a pool of {world_size} rank(s)"
         )
-    return problems
+    problems.raise_if_any(ValueError)
 
 
 def assert_equivalent_to_ddp(
@@ -285,11 +275,7 @@ def assert_equivalent_to_ddp(
         >>> assert_equivalent_to_ddp(make, batch_fn=batch, world_size=2)  # doctest: +SKIP
     """
     shape = tuple(mesh_shape) if mesh_shape is not None else (world_size,)
-    problems = _argument_problems(
-        world_size=world_size, shape=shape, steps=steps, grad_accum=grad_accum, pool=pool
-    )
-    if problems:
-        raise ValueError("assert_equivalent_to_ddp: " + "; ".join(problems))
+    _check_arguments(world_size=world_size, shape=shape, steps=steps, grad_accum=grad_accum, pool=pool)
     config = _Config(
         model_fn=model_fn,
         shard_fn=shard_fn,

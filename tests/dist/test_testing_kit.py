@@ -243,7 +243,7 @@ def test_a_model_with_dropout_is_equivalent():
         ({"grad_accum": 0}, r"grad_accum must be >= 1 \(micro-batches per step\), got 0"),
         (
             {"steps": 0, "grad_accum": 0, "mesh_shape": (1, 1, 2)},
-            r"mesh_shape must be 1D .* got \(1, 1, 2\); steps must be >= 1 .*; grad_accum must be >= 1",
+            r"3 problems:\n  - mesh_shape must be 1D .* got \(1, 1, 2\)\n  - steps must be >= 1 .*\n  - grad_accum must be >= 1",
         ),
         ({"world_size": 1}, r"pool has 2 ranks but world_size is 1; pass world_size=2"),
     ],
