@@ -280,41 +280,43 @@ def _describe_counts(counts: dict[int, dict[str, int] | None]) -> str:
 _BACKENDS = ("gloo", "nccl")
 
 
-def _pool_problems(
+def _check_pool_arguments(
     world_size: int, backend: str, timeout: float, pg_timeout: float, threads: int
-) -> list[str]:
-    """Every problem with ``RankPool``'s arguments (empty if none), each naming the argument."""
+) -> None:
+    """Raise one ``ValueError`` naming every problem with ``RankPool``'s arguments."""
     import torch
     import torch.distributed as dist
 
-    problems = []
+    from fshard._errors import ProblemList
+
+    problems = ProblemList("RankPool")
     if world_size < 1:
-        problems.append(f"world_size must be >= 1, got {world_size}")
+        problems.add(f"world_size must be >= 1, got {world_size}")
     if backend not in _BACKENDS:
-        problems.append(
+        problems.add(
             f"backend must be 'gloo' (CPU) or 'nccl' (one CUDA GPU per rank), got {backend!r}; "
             "the pool spawns and joins its own ranks, so launcher-bound backends such as 'mpi' "
             "do not fit it"
         )
     elif not dist.is_available():
-        problems.append(f"backend {backend!r} needs torch.distributed, which this torch build lacks")
+        problems.add(f"backend {backend!r} needs torch.distributed, which this torch build lacks")
     elif backend == "gloo" and not dist.is_gloo_available():
-        problems.append("backend 'gloo' is not available in this torch build")
+        problems.add("backend 'gloo' is not available in this torch build")
     elif backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not dist.is_nccl_available() or gpus < world_size:
             nccl = "NCCL is available" if dist.is_nccl_available() else "NCCL is not available"
-            problems.append(
+            problems.add(
                 f"backend 'nccl' needs one CUDA GPU per rank ({world_size} rank(s)), but this "
                 f"machine has {gpus} (torch.cuda.is_available() is {torch.cuda.is_available()}; "
                 f"{nccl}); use backend='gloo', which runs on CPU"
             )
     for name, value in (("timeout", timeout), ("pg_timeout", pg_timeout)):
         if not value > 0:
-            problems.append(f"{name} must be > 0 seconds, got {value}")
+            problems.add(f"{name} must be > 0 seconds, got {value}")
     if threads < 1:
-        problems.append(f"threads must be >= 1, got {threads}")
-    return problems
+        problems.add(f"threads must be >= 1, got {threads}")
+    problems.raise_if_any(ValueError)
 
 
 def _main_guard_hint_applies() -> bool:
@@ -361,9 +363,7 @@ class RankPool:
         pg_timeout: float = 60.0,
         threads: int = 1,
     ) -> None:
-        problems = _pool_problems(world_size, backend, timeout, pg_timeout, threads)
-        if problems:
-            raise ValueError("RankPool: " + "; ".join(problems))
+        _check_pool_arguments(world_size, backend, timeout, pg_timeout, threads)
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
