@@ -562,7 +562,9 @@ def clip_grad_norm_(
     """Clip gradients by the norm of the *full* gradient, computed across shards.
 
     Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (``inf`` norm included).
-    Every rank of the mesh must call it (it all-reduces one scalar per mesh). Returns the total
+    Every rank of the mesh must call it with the same parameters, in any order (it all-reduces
+    a few scalars per mesh, which also tell when the ranks passed different ones: each then
+    raises ``RankMismatchError`` instead of clipping by a wrong norm). Returns the total
     norm as a tensor. Use it instead of ``torch.nn.utils.clip_grad_norm_``: a sharded parameter's
     ``.grad`` is this rank's plain shard (so the optimizer runs without tensor-subclass
     dispatch), and torch's function would clip each rank by the norm of its own shards only.
@@ -597,6 +599,7 @@ def clip_grad_norm_(
     # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
     # no gradient among them here (a peer may have some): what runs depends on the params only.
     by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
+    passed: dict[int, list[ParamSlot]] = {}  # per shard group: the sharded params passed
     plain: list[torch.Tensor] = []
     any_plain = False
     wide = False  # a float64 (or complex128) param: the norm in float64, as torch computes it
@@ -607,6 +610,7 @@ def clip_grad_norm_(
         if is_sharded(p):
             slot = p._fshard_slot
             entry = by_group.setdefault(id(slot.mesh_info.shard_group), (slot.mesh_info, [], []))
+            passed.setdefault(id(slot.mesh_info.shard_group), []).append(slot)
             if grad is not None:
                 # A replicated (0-d) param is held whole by every shard rank: count it once.
                 (entry[2] if slot.layout.replicated else entry[1]).append(grad)
@@ -627,10 +631,10 @@ def clip_grad_norm_(
         # Params fshard does not shard (ignored_params) may hold a different gradient on each
         # rank: count their mean over the mesh (max for inf), so every rank clips alike.
         total = _mesh_mean_norm_power(total, norm_type, next(iter(by_group.values()))[0])
-    for info, sharded, replicated in by_group.values():
+    for key, (info, sharded, replicated) in by_group.items():
         part = _local_norm_power(sharded, norm_type, device, dtype)
         if info.shard_size > 1:
-            part = _all_reduce_norm_power(part, norm_type, info.shard_group)
+            part = _all_reduce_norm_power(part, norm_type, info.shard_group, passed[key])
         rep = _local_norm_power(replicated, norm_type, device, dtype)
         total = _combine(_combine(total, part, norm_type), rep, norm_type)
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
@@ -667,16 +671,62 @@ def _local_norm_power(
     return torch.stack([n.to(device, dtype) for n in norms]).pow(norm_type).sum()
 
 
-def _all_reduce_norm_power(part: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum (or, for inf, max) one rank's part of the norm over ``group``."""
+def _all_reduce_norm_power(
+    part: torch.Tensor,
+    norm_type: float,
+    group: dist.ProcessGroup,
+    passed: list[ParamSlot] | None = None,
+) -> torch.Tensor:
+    """Sum (or, for inf, max) one rank's part of the norm over ``group``.
+
+    With ``passed`` (the sharded parameters this rank was given), the same all-reduce tells
+    whether every rank was given the same ones, and every rank raises if not: a rank that
+    passed other parameters (say, only those of its own blocks) would otherwise add parts of
+    the norm that belong to no one parameter set, and clip by a wrong factor without a word.
+    """
+    marks = _passed_marks(passed) if passed is not None else []
     if not math.isinf(norm_type):
-        _collectives.all_reduce_(part, group, label="clip_grad_norm_")  # NaN sums on
-        return part
-    # A MAX all-reduce need not carry a NaN through (gloo's does not): reduce a NaN flag with it.
+        # Count and fingerprint with their squares: a SUM equals size x mine and the sum of
+        # squares size x mine^2 on every rank exactly when all ranks agree (zero variance),
+        # which every rank computes alike. In float64 the integers stay exact.
+        extra = torch.tensor([float(v) for m in marks for v in (m, m * m)], dtype=torch.float64)
+        packed = torch.cat([part.to(torch.float64).reshape(1), extra.to(part.device)])
+        _collectives.all_reduce_(packed, group, label="clip_grad_norm_")  # NaN sums on
+        size = dist.get_world_size(group)
+        pairs = packed[1:].view(-1, 2)
+        if marks and bool((pairs[:, 1] * size != pairs[:, 0] ** 2).any()):
+            raise _clip_mismatch(passed)
+        return packed[0].to(part.dtype)
+    # A MAX all-reduce need not carry a NaN through (gloo's does not): reduce a NaN flag with
+    # it, and each mark with its negation (max equals minus the max of -mark when all agree).
     nan = torch.isnan(part)
-    both = torch.stack([torch.where(nan, 0.0, part), nan.to(part.dtype)])
+    extra = torch.tensor([float(v) for m in marks for v in (m, -m)], dtype=part.dtype)
+    both = torch.cat([torch.stack([torch.where(nan, 0.0, part), nan.to(part.dtype)]), extra.to(part.device)])
     _collectives.all_reduce_(both, group, label="clip_grad_norm_", op=dist.ReduceOp.MAX)
+    pairs = both[2:].view(-1, 2)
+    if marks and bool((pairs[:, 0] != -pairs[:, 1]).any()):
+        raise _clip_mismatch(passed)
     return torch.where(both[1] > 0, float("nan"), both[0])
+
+
+def _passed_marks(passed: list[ParamSlot]) -> list[int]:
+    """How many sharded parameters were passed, and a 16-bit fingerprint of which (by unit and
+    name, in any order): small integers that float32 and float64 hold exactly."""
+    names = sorted(
+        f"{g.trace_name if (g := slot.group_ref()) is not None else ''}/{slot.fqn}" for slot in passed
+    )
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=2).digest()
+    return [len(passed), int.from_bytes(digest, "little")]
+
+
+def _clip_mismatch(passed: list[ParamSlot] | None) -> RankMismatchError:
+    count = len(passed) if passed is not None else 0
+    return RankMismatchError(
+        f"clip_grad_norm_: the ranks of a shard group passed different sharded parameters (this "
+        f"rank passed {count}); the norm would mix parts of different parameter sets and every "
+        "rank would clip by a wrong factor. Pass the same parameters on every rank (e.g. "
+        "model.parameters()), in any order."
+    )
 
 
 def _mesh_mean_norm_power(part: torch.Tensor, norm_type: float, info: MeshInfo) -> torch.Tensor:

@@ -470,6 +470,49 @@ def test_clip_grad_norm_names_a_norm_type_that_is_not_a_number(norm_type):
         fshard.clip_grad_norm_([torch.zeros(2, requires_grad=True)], 1.0, norm_type=norm_type)
 
 
+def _clip_with_other_params_on_rank_one(norm_type, which):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    for block in (model[0], model[2], model[4]):
+        fshard.fully_shard(block, mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.ones(4, 5)).sum().backward()
+    params = list(model.parameters())
+    if dist.get_rank() == 1:
+        if which == "fewer":  # the usual slip: a filter that differs by rank
+            params = params[:-1]
+        elif which == "others":  # as many, of other ones: model[2].weight for model[0].weight
+            params = [model[2].weight] + params[1:]
+    fshard.clip_grad_norm_(reversed(params) if dist.get_rank() == 0 else params, 1.0, norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("which", ["fewer", "others"])
+def test_clip_grad_norm_refuses_different_parameters_per_rank(norm_type, which):
+    """A rank passing other parameters would silently clip every rank by a wrong norm; the
+    all-reduce that sums the norm tells, and every rank raises. (Order does not matter: rank 0
+    passes its list reversed in the good case below.)"""
+    _all_ranks_raise(
+        2,
+        _clip_with_other_params_on_rank_one,
+        norm_type,
+        which,
+        match=lambda m: "clip_grad_norm_: the ranks of a shard group passed different sharded parameters" in m
+        and "Pass the same parameters on every rank" in m,
+        error=fshard.RankMismatchError,
+    )
+
+
+def _clip_same_params_in_another_order(norm_type):
+    _clip_with_other_params_on_rank_one(norm_type, "same")
+    return True
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_takes_the_same_parameters_in_any_order(norm_type):
+    assert get_pool(2).run(_clip_same_params_in_another_order, norm_type) == [True, True]
+
+
 def _other_mesh_shape_on_one_rank():
     meshes = {shape: mesh_for(shape) for shape in ((4,), (2, 2))}  # made on every rank, alike
     model = fshard.fully_shard(_mlp(), mesh=meshes[(2, 2) if dist.get_rank() == 3 else (4,)])
