@@ -83,6 +83,7 @@ class RanksFailed(RuntimeError):
     ) -> None:
         self.errors = errors
         self.tracebacks = tracebacks
+        self._reset_reason = reset_reason
         self.pool_reset = reset_reason is not None
         first = min(errors)
         header = f"{len(errors)} rank(s) failed: {sorted(errors)}"
@@ -96,6 +97,17 @@ class RanksFailed(RuntimeError):
             parts.append(f"--- rank {rank} ---\n{tracebacks[rank].rstrip()}")
         super().__init__("\n".join(parts))
         self.first = errors[first]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # An exception pickles as ``cls(*args)``, here the message alone: rebuild from the parts
+        # (a test runner that ships failures between processes pickles them).
+        return (_ranks_failed, (self.errors, self.tracebacks, self._reset_reason))
+
+
+def _ranks_failed(
+    errors: dict[int, BaseException], tracebacks: dict[int, str], reset_reason: str | None
+) -> RanksFailed:
+    return RanksFailed(errors, tracebacks, reset_reason=reset_reason)
 
 
 class RankDied(RuntimeError):

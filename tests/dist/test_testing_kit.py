@@ -8,6 +8,7 @@ and stop it; the rest share ``get_pool(2)``.
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -63,12 +64,21 @@ def test_a_symmetric_user_error_keeps_the_ranks_and_a_broken_collective_resets_t
         with pytest.raises(RanksFailed) as info:
             pool.run(_every_rank_raises)
         assert not info.value.pool_reset and "reset" not in str(info.value)
+        # A runner that ships failures between processes pickles them: all the parts survive.
+        copy = pickle.loads(pickle.dumps(info.value))
+        assert (str(copy), copy.tracebacks, copy.pool_reset) == (
+            str(info.value), info.value.tracebacks, False
+        )
+        assert {r: repr(e) for r, e in copy.errors.items()} == {
+            r: repr(e) for r, e in info.value.errors.items()
+        }
         assert pool.run(_pid) == pids, "a symmetric user error must not restart the ranks"
 
         with pytest.raises(RanksFailed) as info:
             pool.run(_rank1_raises_before_an_all_reduce)
         message = str(info.value).splitlines()[0]
         assert info.value.pool_reset, message
+        assert pickle.loads(pickle.dumps(info.value)).pool_reset
         assert "rank(s) [0] hit a communication error" in message
         assert "the pool's process group was reset" in message
         assert not pool.running
@@ -109,6 +119,7 @@ def test_every_rank_raising_after_an_unmatched_collective_resets_the_pool():
             pool.run(_every_rank_raises_after_an_unmatched_all_reduce)
         message = str(info.value).splitlines()[0]
         assert info.value.pool_reset, message
+        assert pickle.loads(pickle.dumps(info.value)).pool_reset
         assert "issuing different numbers of collectives" in message
         assert pool.run(_all_reduce_ranks) == [3.0, 3.0]
     finally:
