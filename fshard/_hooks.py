@@ -28,7 +28,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, SupportsIndex
 
 import torch
@@ -267,7 +267,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             ]
             if not full_keys:
                 continue
-            if _never_stepped(state):
+            if never_stepped(state):
                 for key in full_keys:
                     rows = state[key].narrow(0, layout.row_offset, layout.local_shape[0])
                     state[key] = rows.clone()
@@ -345,7 +345,7 @@ def _looks_across_parameters(optimizer: torch.optim.Optimizer) -> tuple[str, str
     return None
 
 
-def _never_stepped(state: dict[str, Any]) -> bool:
+def never_stepped(state: Mapping[str, Any]) -> bool:
     """Whether a param's optimizer state records zero steps taken (a ``step`` of 0)."""
     step = state.get("step")
     if isinstance(step, torch.Tensor):

@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import ProblemList, first_few, internal_error
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._hooks import SHARDS_KEY, check_optimizer_state, unit_of, units_or_error
+from fshard._hooks import SHARDS_KEY, check_optimizer_state, never_stepped, unit_of, units_or_error
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard.transforms import Layout, TensorLayout
@@ -1375,6 +1375,10 @@ def load_optim_state_dict(
     another optimizer class are errors either way. The skipped names come back in a
     ``LoadResult``: ``missing_keys`` (held, not saved) and ``unexpected_keys`` (saved, not held).
 
+    A saved state of zero steps (``step`` 0: the entry ``optim_state_dict`` makes for a
+    parameter without state) is not loaded for a parameter the optimizer holds no state for:
+    its first step starts it as a fresh optimizer would, from the learning rate of then.
+
     The optimizer gets its own copies: it never shares a tensor with ``state_dict`` (or with
     the optimizer that produced it), so stepping one cannot change the other.
 
@@ -1807,7 +1811,14 @@ def _load_optim(
         ids = []
         for (name, slot), param in zip(current, params, strict=True):
             ids.append(index)
-            if name in saved.state:
+            if name in saved.state and never_stepped(saved.state[name]) and param not in optim.state:
+                # Saved as a placeholder (fshard.optim_state_dict's entry for a parameter
+                # without state: step 0), loaded into an optimizer that starts this parameter
+                # without state: leave it so, and the first step starts it as a fresh optimizer
+                # does, from the learning rate of then (ASGD's eta, Rprop's step size: the
+                # placeholder has the one of the save).
+                pass
+            elif name in saved.state:
                 torch_state[index] = {
                     key: _local_state(value, slot, name, key, where, copy=copy)
                     for key, value in saved.state[name].items()

@@ -218,11 +218,13 @@ class _WithPooler(nn.Module):
         torch.manual_seed(0)
         self.body = nn.Linear(4, 4)
         self.pooler = nn.Linear(4, 4)
+        self.use_pooler = False  # (a head that starts training later)
         # (float32: torch's Optimizer.load_state_dict casts NAdam's float32 mu_product to a
         # float64 param's dtype, so a resumed float64 run differs from an uninterrupted one)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.body(x))
+        out = torch.tanh(self.body(x))
+        return out + self.pooler(x) if self.use_pooler else out
 
 
 OPTIMIZERS = {
@@ -233,33 +235,44 @@ OPTIMIZERS = {
 }
 
 
-def _pooler_run(optimizer: str, path: str, save_at: int, steps: int) -> dict[str, torch.Tensor]:
+def _pooler_run(
+    optimizer: str, path: str, save_at: int, steps: int, pooler_from: int | None = None
+) -> dict[str, torch.Tensor]:
     """Train ``steps`` steps; with ``path``, a fresh run first resumes from the DCP
-    checkpoint saved after ``save_at`` steps (``save_at`` < 0: this run saves it)."""
+    checkpoint saved after ``save_at`` steps (``save_at`` < 0: this run saves it). With
+    ``pooler_from``, the pooler trains from that step on, and a scheduler halves the learning
+    rate every step."""
     model = _WithPooler()
     fshard.fully_shard(model.body, mesh=mesh_for((2,)))
     fshard.fully_shard(model, mesh=mesh_for((2,)))
     opt = OPTIMIZERS[optimizer](model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if pooler_from is not None else None
     start = 0
     if save_at >= 0:  # resume: the template of a fresh job, then dcp.load
         template = {"model": fshard.state_dict(model), "optim": fshard.optim_state_dict(model, opt)}
         dcp.load(template, checkpoint_id=path)
         fshard.load_state_dict(model, template["model"])
         fshard.load_optim_state_dict(model, opt, template["optim"])
+        if scheduler is not None:
+            scheduler.last_epoch = save_at  # (its state dict would say so)
         start = save_at
     for step in range(start, steps):
         if save_at < 0 and step == -save_at - 1:
             dcp.save({"model": fshard.state_dict(model), "optim": fshard.optim_state_dict(model, opt)}, checkpoint_id=path)
+        model.use_pooler = pooler_from is not None and step >= pooler_from
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return fshard.full_state_dict(model, rank0_only=False)
 
 
-def _resume_task(optimizer: str, path: str, save_at: int) -> bool:
-    want = _pooler_run(optimizer, path, -(save_at + 1), 3)  # saves before step ``save_at``
-    got = _pooler_run(optimizer, path, save_at, 3)
+def _resume_task(optimizer: str, path: str, save_at: int, pooler_from: int | None = None) -> bool:
+    steps = 3 if pooler_from is None else 4
+    want = _pooler_run(optimizer, path, -(save_at + 1), steps, pooler_from)  # saves before step ``save_at``
+    got = _pooler_run(optimizer, path, save_at, steps, pooler_from)
     C.assert_same_tensors(got, want, what=f"{optimizer} resumed at step {save_at}")
     return True
 
@@ -272,3 +285,15 @@ def test_dcp_resume_with_an_unused_parameter_and_from_before_the_first_step(tmp_
     first step resumes exactly as a fresh run (the template's one-step state was saved as
     real state: Rprop's step size clamped from lr 0, NAdam's mu_product, ASGD's eta)."""
     assert all(get_pool(2).run(_resume_task, optimizer, str(tmp_path / "ckpt"), save_at))
+
+
+@pytest.mark.parametrize("save_at", [0, 2])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_dcp_resume_of_a_parameter_that_starts_training_after_the_learning_rate_changed(
+    tmp_path, optimizer, save_at
+):
+    """A parameter without state at the save (the pooler trains from step 3 on, after the
+    resume) starts as in a fresh run: from the learning rate of its first step, which the
+    scheduler changed since the save (ASGD's eta, Rprop's step size), not from the one of
+    the save that its placeholder entry was made with."""
+    assert all(get_pool(2).run(_resume_task, optimizer, str(tmp_path / "ckpt"), save_at, 3))
