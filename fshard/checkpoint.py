@@ -164,9 +164,10 @@ def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor] | None) -> 
             ]
         }
     raise TypeError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}: checkpoint extra state "
-        "holds None, bool, int, float, str, lists, tuples, dicts and torch tensors (convert numpy "
-        "arrays with torch.from_numpy, other objects to one of these)"
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}: fshard.checkpoint "
+        "stores None, bool, int, float, str, lists, tuples, dicts and torch tensors there (convert "
+        "numpy scalars with float(...) or .item(), numpy arrays with torch.from_numpy, other "
+        "objects to one of these)"
     )
 
 

@@ -114,6 +114,14 @@ def _bad_extra_task(path):
     ckpt.save(path, model, extra=extra)
 
 
+def _numpy_lr_task(path):
+    import numpy as np
+
+    model = C.build_sharded((dist.get_world_size(),))
+    opt = torch.optim.AdamW(model.parameters(), lr=np.float32(1e-3))
+    ckpt.save(path, model, opt)
+
+
 # ------------------------------------------------------------------------- round trips
 
 
@@ -520,8 +528,16 @@ def test_missing_checkpoint_and_unsupported_extra_are_clear_errors(tmp_path):
         get_pool(2).run(_bad_extra_task, str(tmp_path / "bad"))
     for error in info.value.errors.values():
         assert isinstance(error, TypeError)
-        assert re.search(r"extra\['where'\] is a builtins.object: checkpoint extra state holds", str(error)), error
+        assert re.search(r"extra\['where'\] is a builtins.object: fshard.checkpoint stores None, ", str(error)), error
     assert not os.path.exists(tmp_path / "bad")
+    with pytest.raises(RanksFailed) as info:
+        get_pool(2).run(_numpy_lr_task, str(tmp_path / "numpy"))
+    for error in info.value.errors.values():  # the key is named, and nothing blames "extra"
+        assert re.search(
+            r"optimizer param_groups\[0\]\['lr'\] is a numpy.float32: fshard.checkpoint stores None, .*"
+            r"\(convert numpy scalars with float\(...\)",
+            str(error),
+        ), error
 
 
 class _WithExtraState(torch.nn.Module):
