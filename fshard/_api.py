@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -481,8 +482,8 @@ def reshard(module: nn.Module, *, writeback: bool = False) -> None:
 def set_prefetch(
     module: nn.Module,
     *,
-    forward: list[nn.Module] | bool | None = None,
-    backward: list[nn.Module] | BackwardPrefetch | str | None = None,
+    forward: Sequence[nn.Module] | nn.ModuleList | bool | None = None,
+    backward: Sequence[nn.Module] | nn.ModuleList | BackwardPrefetch | enum.Enum | str | None = None,
 ) -> None:
     """Choose which units' all-gathers are issued early, overriding the recorded order.
 
@@ -491,8 +492,10 @@ def set_prefetch(
 
     Lists act on this unit only: ``forward=[a, b]`` issues ``a`` and ``b``'s all-gathers when this
     unit's forward starts, ``backward=[c]`` issues ``c``'s when this unit's backward starts, and
-    ``[]`` disables prefetch from this unit. A bool or a ``BackwardPrefetch`` (or its name:
-    ``"BACKWARD_PRE"``, ``"BACKWARD_POST"``, ``"NO_PREFETCH"``) sets the default policy of every
+    ``[]`` disables prefetch from this unit (a tuple or ``ModuleList``, such as
+    ``model.blocks[1:3]``, is a list too). A bool or a ``BackwardPrefetch`` (or its name:
+    ``"BACKWARD_PRE"``, ``"BACKWARD_POST"``, ``"NO_PREFETCH"``; torch's FSDP1
+    ``torch.distributed.fsdp.BackwardPrefetch`` works too) sets the default policy of every
     unit in ``module``'s subtree (call it on the root for the whole model).
 
     Call it alike on every rank: the order of the all-gathers follows it. Once the model has
@@ -522,13 +525,23 @@ def set_prefetch(
         return found
 
     subtree = units_under(module)
+    if isinstance(forward, (tuple, nn.ModuleList)):  # model.blocks[1:3] is a ModuleList
+        forward = list(forward)
+    if isinstance(backward, (tuple, nn.ModuleList)):
+        backward = list(backward)
+    if isinstance(backward, enum.Enum) and not isinstance(backward, BackwardPrefetch):
+        # torch's FSDP1 enum (torch.distributed.fsdp.BackwardPrefetch), whose names are ours
+        backward = backward.name
     if isinstance(forward, list):
         group.explicit_forward_prefetch = targets("forward", forward)
     elif isinstance(forward, bool):
         for g in subtree:
             g.forward_prefetch_default = forward
     elif forward is not None:
-        raise TypeError(f"{where}: forward must be a list of units, a bool or None, got {forward!r}")
+        raise TypeError(
+            f"{where}: forward must be a list of units (modules fully_shard was called on), a "
+            f"bool or None, got {forward!r}"
+        )
     if isinstance(backward, list):
         group.explicit_backward_prefetch = targets("backward", backward)
     elif isinstance(backward, (BackwardPrefetch, str)):
@@ -541,7 +554,9 @@ def set_prefetch(
             g.backward_prefetch_default = policy
     elif backward is not None:
         raise TypeError(
-            f"{where}: backward must be a list of units, a BackwardPrefetch or None, got {backward!r}"
+            f"{where}: backward must be a list of units (modules fully_shard was called on), "
+            f"fshard.BackwardPrefetch (or torch's, or a name such as 'BACKWARD_PRE') or None, "
+            f"got {backward!r}"
         )
     if group.root is not None:  # the model has run: its units are known (else checked then)
         check_prefetch_targets(group.root.groups)  # type: ignore[attr-defined]  # RootState

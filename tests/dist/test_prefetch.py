@@ -541,3 +541,31 @@ def test_a_reentrant_checkpoints_forward_without_backward_does_not_hold_the_next
         for trace in after_abandoned:
             assert trace == normal, (trace, normal)
         assert normal.index(("reduce_scatter", "blocks.3")) < normal.index(("all_gather", "blocks.1")), normal
+
+
+def _trace_with_settings(style):
+    from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
+
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    if style == "fshard":
+        fshard.set_prefetch(model, backward=fshard.BackwardPrefetch.BACKWARD_POST)
+        fshard.set_prefetch(model.blocks[0], forward=list(model.blocks)[2:4])
+        with pytest.raises(TypeError, match=r"backward must be .* or a name such as 'BACKWARD_PRE'"):
+            fshard.set_prefetch(model, backward=3)
+    elif style == "torch":  # as code ported from FSDP1 / FSDP2 writes them
+        fshard.set_prefetch(model, backward=TorchBackwardPrefetch.BACKWARD_POST)
+        fshard.set_prefetch(model.blocks[0], forward=model.blocks[2:4])
+    traces = []
+    for step in range(2):
+        with trace_collectives() as records:
+            compute_loss(SPEC, model, make_batch(SPEC, step, dist.get_rank())).backward()
+        traces.append([(r.op, r.label, r.async_op) for r in records])
+    return traces
+
+
+def test_set_prefetch_takes_torchs_enum_and_a_module_list_slice():
+    pool = get_pool(2)
+    ours, ported = pool.run(_trace_with_settings, "fshard"), pool.run(_trace_with_settings, "torch")
+    assert ours == ported
+    assert ours != pool.run(_trace_with_settings, "default")  # the settings took effect
