@@ -513,6 +513,29 @@ def test_clip_grad_norm_takes_the_same_parameters_in_any_order(norm_type):
     assert get_pool(2).run(_clip_same_params_in_another_order, norm_type) == [True, True]
 
 
+def _block_called_first_on_rank_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    if dist.get_rank() == 1:  # a probe of the first block, on one rank
+        model[0](torch.ones(2, 8))
+    model(torch.ones(2, 8)).sum().backward()
+
+
+def test_a_block_run_before_the_model_on_one_rank_is_named_as_such():
+    """The models are the same: the ranks' roots are not (the first unit to run is the root of
+    the units inside it). Said so, not "ranks built different sharded models"."""
+    _all_ranks_raise(
+        2,
+        _block_called_first_on_rank_one,
+        match=lambda m: "the ranks' first forwards started at different units: rank 0 at a "
+        "Sequential holding 2 unit(s), rank 1 at a Linear holding 1 unit(s)" in m
+        and "Run the model's own forward first, on every rank" in m,
+        error=fshard.RankMismatchError,
+    )
+
+
 def _other_mesh_shape_on_one_rank():
     meshes = {shape: mesh_for(shape) for shape in ((4,), (2, 2))}  # made on every rank, alike
     model = fshard.fully_shard(_mlp(), mesh=meshes[(2, 2) if dist.get_rank() == 3 else (4,)])
