@@ -1776,7 +1776,7 @@ def _fingerprint(module: nn.Module, groups: list[ParamGroup]) -> list[tuple[Any,
     """What every rank must agree on: parameters in module order, then the units."""
     owner = {id(s.sharded_param): (g, s) for g in groups for s in g.slots}
     # First which unit's forward started the tree (see _validate_across_ranks).
-    rows: list[tuple[Any, ...]] = [("root", type(module).__name__, len(groups))]
+    rows: list[tuple[Any, ...]] = [("root", type(module).__name__)]
     for name, p in module.named_parameters():
         if id(p) in owner:
             g, slot = owner[id(p)]
@@ -1898,8 +1898,7 @@ def _validate_across_ranks(root: ParamGroup, groups: list[ParamGroup]) -> None:
                 if index == 0:  # the roots differ
                     raise RankMismatchError(
                         f"the ranks' first forwards started at different units: rank {ref_rank} "
-                        f"at a {mine[1]} holding {mine[2]} unit(s), rank {rank} at a "  # type: ignore[index]
-                        f"{theirs[1]} holding {theirs[2]} unit(s). The first unit to run "  # type: ignore[index]
+                        f"at a {mine[1]}, rank {rank} at a {theirs[1]}. The first unit to run "  # type: ignore[index]
                         "becomes the root of the units inside it, so a block called on its own "
                         "first (on some ranks) takes the root's place there. Run the model's "
                         "own forward first, on every rank, before calling a part of it."
