@@ -1627,6 +1627,20 @@ def _order_mismatch_message(
 def _lazy_init(group: ParamGroup) -> None:
     module = group.module
     groups = units_under(module)
+    # Units gathered by a blocking fshard.unshard before this (of a block, which made it a
+    # root of its own then): the modules show their gathered copies, and what root init reads
+    # off the modules (where each parameter is registered, its name) must be the shards.
+    shown = [g for g in groups if g.sharded_state is ShardedState.UNSHARDED and g.unsharded_registered]
+    for g in shown:
+        g.hide_unsharded()
+    try:
+        _init_root(group, module, groups)
+    finally:
+        for g in shown:
+            g._register_unsharded()
+
+
+def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -> None:
     names = {m: name for name, m in module.named_modules()}
     for g in groups:
         g.fqn = names[g.module]

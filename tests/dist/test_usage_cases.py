@@ -1094,3 +1094,30 @@ def test_kept_copies_are_not_reused_once_the_shards_changed(case):
     fshard.reshard(writeback=True) does not write it back over the new shards."""
     for seen in get_pool(2).run(_stale_kept_copy_worker, case):
         assert seen == [0.0] * len(seen), seen
+
+
+def _unshard_a_block_first_worker(reshard_first: bool):
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)),
+        lambda m: (m[0], m[2], m[4]),
+    )
+    optims = _sgd(ddp, model)
+    fshard.unshard(model[0])  # FSDP2's `model.layers[0].unshard()`, before the first forward
+    assert model[0].weight.shape == (6, 6)
+    if reshard_first:
+        fshard.reshard(model[0])
+    _train_side_by_side((ddp, model), optims, (4, 6), steps=3)
+    # The modules show the shards again, each with its gradient slot, and train like DDP.
+    assert all(fshard.is_sharded(p) for p in model.parameters())
+    _assert_params_equal(model, reference)
+    model(_batch(9, (4, 6))).sum().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    return True
+
+
+@pytest.mark.parametrize("reshard_first", [False, True])
+def test_unshard_of_a_block_before_the_first_forward(reshard_first):
+    """The block became a root of its own then, gathered; the model's root init, at its first
+    forward, read its parameters off the modules: the gathered copies, which the modules then
+    kept (freed, plain, without gradients: reading one crashed the process)."""
+    assert get_pool(2).run(_unshard_a_block_first_worker, reshard_first) == [True, True]
