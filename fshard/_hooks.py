@@ -1157,6 +1157,16 @@ def check_params_in_place(groups: list[ParamGroup], *, before_init: nn.Module | 
                         "the shards instead (fshard.load_state_dict, or with torch.no_grad(): "
                         "p.to_local().copy_(...)), or call an unsharded copy of the module."
                     )
+                if slot.sharded_param.is_meta and not current.is_meta:
+                    raise ValueError(
+                        f"fshard: parameter {fqn!r} of unit {unit} was replaced after "
+                        f"fully_shard by a new one on {current.device} while fshard's shard is "
+                        "still on the meta device: module.to_empty(device=...) after fully_shard "
+                        "does this. To initialise a model built on the meta device after "
+                        "sharding, call fshard.materialize(model) instead of to_empty (it gives "
+                        "the shards storage in place and runs each module's reset_parameters, or "
+                        "your init_fn)."
+                    )
                 raise ValueError(
                     f"fshard: parameter {fqn!r} of unit {unit} was replaced "
                     f"after fully_shard ({type(module).__name__}.{name} = another "

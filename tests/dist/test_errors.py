@@ -382,6 +382,23 @@ def test_a_parameter_replaced_after_fully_shard_is_an_error(when):
     )  # fmt: skip
 
 
+def _to_empty_after_fully_shard():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model.to_empty(device="cpu")  # torchtitan's meta init: to_empty, then init_weights
+    model(torch.ones(3, 6)).sum().backward()
+
+
+def test_to_empty_after_fully_shard_points_to_materialize():
+    _all_ranks_raise(
+        2, _to_empty_after_fully_shard,
+        match=lambda m: "module.to_empty(device=...) after fully_shard does this" in m
+        and "call fshard.materialize(model) instead of to_empty" in m,
+    )  # fmt: skip
+
+
 class _Doubled(nn.Module):  # elementwise: registering it on a shard succeeds
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * x
