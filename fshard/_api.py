@@ -8,7 +8,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ def ignored_param_list(ignored: Iterable[nn.Parameter] | None, where: str) -> li
     return found
 
 
+@overload
 def fully_shard(
     module: M,
     *,
@@ -79,7 +80,30 @@ def fully_shard(
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
-) -> M:
+) -> M: ...
+
+
+@overload
+def fully_shard(
+    module: list[M],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecision | None = None,
+    offload_policy: CPUOffload | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> list[M]: ...
+
+
+def fully_shard(
+    module: M | list[M],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecision | None = None,
+    offload_policy: CPUOffload | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> M | list[M]:
     """Shard ``module``'s parameters over ``mesh`` and make it one unit; returns ``module``.
 
     The unit owns every parameter of ``module`` not already owned by a unit below it. Call it
@@ -99,8 +123,16 @@ def fully_shard(
     rows (under ``CPUOffload`` the shards stay on the CPU), so a model built on the CPU never
     needs a full copy on the accelerator; meta parameters wait for ``fshard.materialize``.
 
+    A list of modules (``fully_shard([model.norm, model.output])``, as torchtitan shards the
+    final norm and the output head) makes them one unit: one all-gather before the first of
+    them runs, freed after the last (``reshard_after_forward=True``), and one reduce-scatter
+    for all their gradients; the list is returned. The modules must not contain each other,
+    and a unit containing them all (the root) is still needed, as the model's forward is the
+    root's.
+
     Args:
-        module: the module to shard; it must not already be a unit.
+        module: the module to shard, or a list of modules to shard as one unit; none may
+            already be a unit.
         mesh: a 1D ``DeviceMesh`` (shard) or 2D ``(replicate, shard)`` mesh; ``None`` means a 1D
             mesh over the default process group (cuda if available and the group's backend
             runs on it, e.g. NCCL; else cpu).
@@ -116,12 +148,11 @@ def fully_shard(
         >>> mesh = init_device_mesh("cpu", (4,))  # doctest: +SKIP
         >>> for block in model.blocks:  # doctest: +SKIP
         ...     fshard.fully_shard(block, mesh=mesh)
+        >>> fshard.fully_shard([model.norm, model.output], mesh=mesh)  # doctest: +SKIP
         >>> fshard.fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
     """
-    where = f"fully_shard({type(module).__name__})"
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    modules, where = _unit_modules(module)
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"{where}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
@@ -130,24 +161,21 @@ def fully_shard(
         raise TypeError(
             f"{where}: offload_policy must be fshard.CPUOffload or None, got {offload_policy!r}"
         )
-    if unit_of(module) is not None:
-        raise ValueError(
-            f"{where}: this module is already sharded (fully_shard was called on it before); "
-            "call fully_shard once per module"
-        )
+    for i, m in enumerate(modules):
+        if unit_of(m) is not None:
+            which = "this module is" if len(modules) == 1 else f"module [{i}] ({type(m).__name__}) is"
+            raise ValueError(
+                f"{where}: {which} already sharded (fully_shard was called on it before); "
+                "call fully_shard once per module"
+            )
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
     ignored_list = ignored_param_list(ignored_params, where)
     ignored = {id(p) for p in ignored_list}
 
-    if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
-        raise ValueError(
-            f"{where}: a {type(module).__name__} has no forward, so its unit would never be "
-            "gathered before its modules run; call fully_shard on each module inside it "
-            "(for block in model.blocks: fshard.fully_shard(block, ...))"
-        )
     problems = ProblemList(where)
-    problems.extend(_foreign_wrappers(module))
-    for name, sub in module.named_modules():
+    for m in modules:
+        problems.extend(_foreign_wrappers(m))
+    for name, sub in _named_modules(modules):
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             params = list(sub.parameters(recurse=False))
             if not any(id(p) in ignored or getattr(p, "_fshard_ignored", False) for p in params):
@@ -159,14 +187,14 @@ def fully_shard(
                 )
     problems.raise_if_any(ValueError)
     managed: list[tuple[str, nn.Parameter]] = []
-    inner_units = {id(g) for g in units_under(module)}
-    for name, param in module.named_parameters():
+    inner_units = {id(g) for m in modules for g in units_under(m)}
+    for name, param in _named_parameters(modules):
         if id(param) in ignored:
             continue
         if is_sharded(param):
             owner = param._fshard_slot.group_ref()
             if owner is not None and id(owner) not in inner_units:
-                if any(m is module for m in owner.module.modules()):
+                if any(m is mine for top in owner.modules for m in top.modules() for mine in modules):
                     problems.add(
                         f"parameter {name!r} is already sharded by a unit above this module "
                         f"({type(owner.module).__name__}); apply fully_shard bottom-up: blocks "
@@ -221,7 +249,7 @@ def fully_shard(
         slots.append(slot)
     locals_ = [_local_rows(p.detach(), s.layout) for s, (_, p) in zip(slots, managed, strict=True)]
     group = ParamGroup(
-        module,
+        modules[0],
         slots,
         info,
         reshard_after_forward=reshard_after_forward,
@@ -233,8 +261,9 @@ def fully_shard(
         if slot.pending_grad is not None:
             slot.sharded_param.grad = slot.pending_grad.to(slot.sharded_param.device).clone()
             slot.pending_grad = None
+    group.modules = modules
     sites: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
+    for _, sub in _named_modules(modules):
         for attr, registered in sub._parameters.items():
             if registered is not None:
                 sites.setdefault(id(registered), []).append((sub, attr))
@@ -244,12 +273,82 @@ def fully_shard(
         if isinstance(param, torch.Tensor):
             param._fshard_ignored = True  # type: ignore[attr-defined]  # the optimizer check skips it
     if info.device.type != "cpu":  # the forward computes there (units below moved theirs)
-        for sub in module.modules():
+        for _, sub in _named_modules(modules):
             for attr, buffer in sub._buffers.items():
                 if buffer is not None and buffer.device.type == "cpu":
                     sub._buffers[attr] = buffer.to(info.device)
-    register_unit(module, group)
+    register_unit(group)
     return module
+
+
+def _unit_modules(module: object) -> tuple[list[nn.Module], str]:
+    """The modules of the unit ``fully_shard(module)`` makes (one, or those of a list), and how
+    its messages name the call."""
+    if isinstance(module, nn.Module):
+        _refuse_container(module, f"fully_shard({type(module).__name__})")
+        return [module], f"fully_shard({type(module).__name__})"
+    if not isinstance(module, (list, tuple)):
+        raise TypeError(
+            f"fully_shard expects an nn.Module (or a list of them, to make one unit), got "
+            f"{type(module).__name__}"
+        )
+    where = "fully_shard([" + ", ".join(type(m).__name__ for m in module) + "])"
+    if not module:
+        raise ValueError("fully_shard([]): the list of modules is empty; pass at least one module")
+    problems = ProblemList(where)
+    seen: dict[int, int] = {}
+    for i, m in enumerate(module):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{where}: item [{i}] is a {type(m).__name__}, not an nn.Module")
+        if id(m) in seen:
+            problems.add(f"module [{i}] is module [{seen[id(m)]}] again; pass each module once")
+        seen[id(m)] = i
+    for i, m in enumerate(module):
+        for j, other in enumerate(module):
+            if i != j and any(sub is other for sub in m.modules()):
+                problems.add(
+                    f"module [{j}] ({type(other).__name__}) is inside module [{i}] "
+                    f"({type(m).__name__}); list modules that do not contain each other (the "
+                    "outer one takes the inner one's parameters anyway)"
+                )
+    problems.raise_if_any(ValueError)
+    for m in module:
+        _refuse_container(m, where)
+    return list(module), where
+
+
+def _refuse_container(module: nn.Module, where: str) -> None:
+    if isinstance(module, _CONTAINERS):  # never called: its unit would never gather
+        raise ValueError(
+            f"{where}: a {type(module).__name__} has no forward, so its unit would never be "
+            "gathered before its modules run; call fully_shard on each module inside it "
+            "(for block in model.blocks: fshard.fully_shard(block, ...)), or pass them "
+            "as a list (fully_shard(list(model.blocks), ...)) to make them one unit"
+        )
+
+
+def _named_modules(modules: list[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules()`` of each of a unit's modules, each module once; the names of a list's
+    modules start with their position (``[1].attn``), for messages before the root names them."""
+    seen: set[int] = set()
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]" if len(modules) > 1 else ""
+        for name, sub in top.named_modules():
+            if id(sub) not in seen:  # (a submodule shared by two of them: once)
+                seen.add(id(sub))
+                yield (f"{prefix}.{name}" if prefix and name else prefix or name), sub
+
+
+def _named_parameters(modules: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """``named_parameters()`` of each of a unit's modules, each parameter once (a weight tied
+    between two of them is named by the first)."""
+    seen: set[int] = set()
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, param in top.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield prefix + name, param
 
 
 # Containers have no forward: code reaches their contents through the parent's forward

@@ -159,7 +159,14 @@ class ParamGroup:
         locals_: list[torch.Tensor],
     ) -> None:
         self.module = module
+        # Every module of the unit: ``module`` alone, or the modules given to
+        # ``fully_shard([norm, head])`` (``module`` is the first of them).
+        self.modules: list[nn.Module] = [module]
         self.fqn: str | None = None  # the module's FQN, set at root init ("" for the root)
+        self.fqns: list[str] = []  # every module's FQN, set with ``fqn``
+        # Of a unit of several modules: those that have not run yet in this forward; the unit
+        # is freed after the last of them (see _hooks._post_forward).
+        self.modules_to_run: set[int] = set()
         self.mesh_info = mesh_info
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -206,14 +213,21 @@ class ParamGroup:
 
     @property
     def label(self) -> str:
-        """How error messages name this unit: its quoted FQN, or ``<root>``."""
+        """How error messages name this unit: its quoted FQN, or ``<root>`` (a unit of several
+        modules: the list of them)."""
+        if len(self.modules) > 1:
+            names = [repr(f) for f in self.fqns] if self.fqns else [type(m).__name__ for m in self.modules]
+            return "[" + ", ".join(names) + "]"
         if self.fqn is None:
             return type(self.module).__name__
         return repr(self.fqn) if self.fqn else "<root>"
 
     @property
     def trace_name(self) -> str:
-        """How collective traces and profiler labels name this unit: its FQN, or ``<root>``."""
+        """How collective traces and profiler labels name this unit: its FQN, or ``<root>``
+        (a unit of several modules: their FQNs joined by ``+``)."""
+        if len(self.modules) > 1:
+            return "+".join(self.fqns) if self.fqns else "+".join(type(m).__name__ for m in self.modules)
         if self.fqn is None:
             return type(self.module).__name__
         return self.fqn or "<root>"

@@ -73,7 +73,12 @@ def units_under(module: nn.Module) -> list[ParamGroup]:
     root = group.root if group is not None else None
     if isinstance(root, RootState) and root.root is group and root.units_made == _UNITS_MADE[0]:
         return list(root.groups)  # an initialised root, no unit made since: no module walk
-    return [m.__dict__[_UNIT_ATTR] for m in module.modules() if _UNIT_ATTR in m.__dict__]
+    found: dict[int, ParamGroup] = {}  # (a unit of several modules is met once per module)
+    for m in module.modules():
+        unit = m.__dict__.get(_UNIT_ATTR)
+        if unit is not None:
+            found.setdefault(id(unit), unit)
+    return list(found.values())
 
 
 def units_or_error(module: nn.Module, where: str) -> list[ParamGroup]:
@@ -400,25 +405,30 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
         )
 
 
-def register_unit(module: nn.Module, group: ParamGroup) -> None:
-    module.__dict__[_UNIT_ATTR] = group
+def register_unit(group: ParamGroup) -> None:
+    for module in group.modules:
+        module.__dict__[_UNIT_ATTR] = group
     _UNITS_MADE[0] += 1
     if not _STEP_HOOK:
         _STEP_HOOK.append(
             register_optimizer_step_pre_hook(_check_optimizer_step)
         )
         _patch_grad_scaler()  # see [Note: torch's GradScaler on sharded parameters]
-    module.register_forward_pre_hook(
-        _UncompiledUnitHook(_pre_forward, group), prepend=True, with_kwargs=True
-    )
-    module.register_forward_hook(_UncompiledUnitHook(_post_forward, group), prepend=False, with_kwargs=True)
-    module.register_forward_hook(_UncompiledUnitHook(_after_forward, group), always_call=True)
-    index_param_owners(module)
-    # What FSDP sets, and what other libraries look for: transformers' generate keeps every rank
-    # stepping until all are done (synced_gpus) for such modules, and dynamo reads parameters
-    # as they are when called (fshard swaps them), requiring use_orig_params for FSDP1.
-    module.__dict__["_is_fsdp_managed_module"] = True
-    module.__dict__["_fsdp_use_orig_params"] = True
+    for module in group.modules:
+        module.register_forward_pre_hook(
+            _UncompiledUnitHook(_pre_forward, group), prepend=True, with_kwargs=True
+        )
+        module.register_forward_hook(
+            _UncompiledUnitHook(_post_forward, group), prepend=False, with_kwargs=True
+        )
+        module.register_forward_hook(_UncompiledUnitHook(_after_forward, group), always_call=True)
+        index_param_owners(module)
+        # What FSDP sets, and what other libraries look for: transformers' generate keeps every
+        # rank stepping until all are done (synced_gpus) for such modules, and dynamo reads
+        # parameters as they are when called (fshard swaps them), requiring use_orig_params
+        # for FSDP1.
+        module.__dict__["_is_fsdp_managed_module"] = True
+        module.__dict__["_fsdp_use_orig_params"] = True
     hook_containers(group)
 
 
@@ -435,7 +445,7 @@ _CONTAINER_ATTR = "_fshard_container_hooked"
 
 def hook_containers(group: ParamGroup) -> None:
     """Hook the modules below ``group``'s module that hold units but are none (idempotent)."""
-    stack = list(group.module.children())
+    stack = [child for top in group.modules for child in top.children()]
     while stack:
         module = stack.pop()
         if _UNIT_ATTR in module.__dict__:
@@ -662,6 +672,8 @@ class RootState:
     def on_root_pre_forward(self) -> None:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
+        for group in self.groups:
+            group.modules_to_run.clear()  # (a module of a unit of several did not run)
         check_params_in_place(self.groups)
         if self.root.training_state is TrainingState.FORWARD:
             self.recover_from_aborted_forward()
@@ -984,6 +996,7 @@ class RootState:
         has a backward to come: their forwards produced no output."""
         for group in self.groups:
             group.outside_calls.clear()
+            group.modules_to_run.clear()
             aborted = group.training_state is TrainingState.FORWARD
             if group.training_state in (TrainingState.FORWARD, TrainingState.IDLE):
                 # Also units kept from their forward (reshard_after_forward=False): an optimizer
@@ -1183,6 +1196,7 @@ def _pre_forward(
     if _PEEK_TRANSFORMS is not None and _PEEK_TRANSFORMS() is not None:
         _refuse_functorch_differentiation(group)
     if group.root is None:
+        _refuse_root_of_several(group)
         check_params_in_place(units_under(group.module), before_init=group.module)
         _lazy_init(group)
     root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init
@@ -1206,6 +1220,11 @@ def _pre_forward(
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
     group.ran_since_backward = True
+    if len(group.modules) > 1:
+        # A unit of several modules is gathered once for all of them: see _post_forward.
+        if not group.modules_to_run:
+            group.modules_to_run = {id(m) for m in group.modules}
+        group.modules_to_run.discard(id(module))
     root.record(group)
     group.unshard()
     if torch.is_grad_enabled():
@@ -1387,7 +1406,13 @@ def _post_forward(
             # or an object fshard cannot look into), yet autograd may have saved the gathered
             # params: keep them until the unit's gradients are reduced (or the backward ends).
             keep = True
-    if not grad_enabled or not keep:
+    if (not grad_enabled or not keep) and not (
+        group.modules_to_run and root.root.training_state is TrainingState.FORWARD
+    ):
+        # (A unit of several modules, some of which have not run yet in the model's forward,
+        # stays gathered for them, as one would hold it through a forward that calls them
+        # all. If one of them does not run after all, the unit is kept for backward, or freed
+        # at the end of a forward without grad, as any unit that ran.)
         group.reshard()
     group.training_state = TrainingState.IDLE
     root.record_finish(group)
@@ -1447,7 +1472,8 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _own_modules(group: ParamGroup) -> list[nn.Module]:
     """The unit's module and those below it that no other unit owns (cached)."""
     if group.own_modules is None:
-        found, stack = [group.module], list(group.module.children())
+        found = list(group.modules)
+        stack = [child for top in group.modules for child in top.children()]
         while stack:
             module = stack.pop()
             if _UNIT_ATTR not in module.__dict__:
@@ -1635,6 +1661,7 @@ def _order_mismatch_message(
 
 
 def _lazy_init(group: ParamGroup) -> None:
+    _refuse_root_of_several(group)
     module = group.module
     groups = units_under(module)
     # Units gathered by a blocking fshard.unshard before this (of a block, which made it a
@@ -1652,8 +1679,19 @@ def _lazy_init(group: ParamGroup) -> None:
 
 def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -> None:
     names = {m: name for name, m in module.named_modules()}
+    problems = ProblemList(f"fshard root {group.label}")
     for g in groups:
-        g.fqn = names[g.module]
+        outside = [type(m).__name__ for m in g.modules if m not in names]
+        if outside:
+            problems.add(
+                f"the unit made of modules {[type(m).__name__ for m in g.modules]} has "
+                f"{outside} outside the root model; list modules of one model, inside the "
+                "module the root unit is made of"
+            )
+            continue
+        g.fqns = [names[m] for m in g.modules]
+        g.fqn = g.fqns[0]
+    problems.raise_if_any(ValueError)
     _check_meshes(group, groups)
     _check_units_are_called(module, groups)
     _place_shared_params(module, groups)
@@ -1669,6 +1707,17 @@ def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -
         g.own_modules = None  # units made since may own some of its modules
         hook_containers(g)  # units made after it: see [Note: calls into a unit from outside its forward]
     logger.debug("fshard: root %s initialised with %d units", group.label, len(groups))
+
+
+def _refuse_root_of_several(group: ParamGroup) -> None:
+    """A unit of several modules cannot be the root: the root's forward is the model's."""
+    if len(group.modules) > 1:
+        raise ValueError(
+            f"fshard: the unit of modules {group.label} ran (or was used) before any unit "
+            "containing it, so it would be the root, and a root is one module (the model's "
+            "forward is the root's). Call fully_shard on the model too, after its blocks "
+            "(fshard.fully_shard(model, mesh=mesh)), and use the model."
+        )
 
 
 def _check_meshes(root: ParamGroup, groups: list[ParamGroup]) -> None:
@@ -1704,25 +1753,33 @@ def _check_units_are_called(module: nn.Module, groups: list[ParamGroup]) -> None
     never run and the attention would compute with this rank's shard."""
     problems = ProblemList("fully_shard")
     for g in groups:
-        if not g.fqn:
-            continue
-        parts = g.fqn.split(".")
-        for depth in range(len(parts) - 1, 0, -1):
-            where = ".".join(parts[:depth])
-            outer = module.get_submodule(where)
-            if isinstance(outer, READS_CHILDREN):
-                problems.add(
-                    f"unit {g.label} is inside {type(outer).__name__} {where!r}, whose forward "
-                    "reads its submodules' parameters without calling them, so the unit would "
-                    f"never be gathered; call fully_shard on {where!r} (or a module above it) "
-                    "instead"
-                )
+        for fqn in g.fqns:
+            parts = fqn.split(".") if fqn else []
+            found = False
+            for depth in range(len(parts) - 1, 0, -1):
+                where = ".".join(parts[:depth])
+                outer = module.get_submodule(where)
+                if isinstance(outer, READS_CHILDREN):
+                    problems.add(
+                        f"unit {g.label} is inside {type(outer).__name__} {where!r}, whose "
+                        "forward reads its submodules' parameters without calling them, so the "
+                        f"unit would never be gathered; call fully_shard on {where!r} (or a "
+                        "module above it) instead"
+                    )
+                    found = True
+                    break
+            if found:
                 break
     problems.raise_if_any(ValueError)
 
 
 def _contains(outer: str, inner: str) -> bool:
     return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+
+def _holds(group: ParamGroup, users: list[str]) -> bool:
+    """Whether the modules named ``users`` are all inside ``group``'s modules."""
+    return all(any(_contains(fqn, u) for fqn in group.fqns) for u in users)
 
 
 def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
@@ -1742,9 +1799,9 @@ def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
         for slot in g.slots:
             where = sites.get(id(slot.sharded_param), [])
             users = [fqn for fqn, _, _ in where]
-            if all(_contains(g.fqn or "", u) for u in users):
+            if _holds(g, users):
                 continue
-            holders = [h for h in groups if all(_contains(h.fqn or "", u) for u in users)]
+            holders = [h for h in groups if _holds(h, users)]
             if not holders:
                 problems.add(
                     f"parameter {slot.fqn!r} is used by modules {users} that share no unit; call "

@@ -67,7 +67,9 @@ class TransformerSpec:
     """A tiny pre-norm GPT-style language model (tied embeddings optional).
 
     ``checkpoint``: activation checkpointing of each block's attention (``"inside"`` a unit) or of
-    each block (``"around"`` the unit), reentrant or not (``reentrant``).
+    each block (``"around"`` the unit), reentrant or not (``reentrant``). ``tail_unit``:
+    ``shard_model`` shards the final norm and the head as one unit
+    (``fully_shard([model.norm, model.head])``, as torchtitan does).
 
     Example:
         >>> from fshard.testing.models import TransformerSpec, build_model
@@ -86,6 +88,7 @@ class TransformerSpec:
     tie_embeddings: bool = True
     checkpoint: str = "none"  # "none" | "inside" (attention of each block) | "around" (each block)
     reentrant: bool = False  # checkpoint with use_reentrant=True (torch's older implementation)
+    tail_unit: bool = False  # shard_model makes the final norm and the head one unit
     dtype: torch.dtype = torch.float32
     batch_size: int = 2
     seed: int = 0
@@ -291,7 +294,8 @@ def compute_loss(spec: ModelSpec, model: nn.Module, batch: tuple[Any, ...]) -> t
 
 
 def shard_model(spec: ModelSpec, model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
-    """One unit per layer (MLP) or block (transformer), then the root.
+    """One unit per layer (MLP) or block (transformer, and one for its final norm and head
+    together if ``spec.tail_unit``), then the root.
 
     ``kwargs`` go to every ``fshard.fully_shard`` call (``reshard_after_forward``,
     ``mp_policy``, ...). Returns ``model``.
@@ -316,4 +320,7 @@ def shard_model(spec: ModelSpec, model: nn.Module, mesh: Any, **kwargs: Any) -> 
     else:
         for block in model.blocks:  # type: ignore[union-attr]  # TinyTransformer
             fshard.fully_shard(block, mesh=mesh, **kwargs)
+        if spec.tail_unit:
+            tiny = cast(TinyTransformer, model)
+            fshard.fully_shard([tiny.norm, tiny.head], mesh=mesh, **kwargs)
     return fshard.fully_shard(model, mesh=mesh, **kwargs)

@@ -138,7 +138,7 @@ def transformer_specs(
     *, max_layers: int = 2, dtype: torch.dtype = torch.float32
 ) -> st.SearchStrategy[TransformerSpec]:
     """Tiny GPT-style specs: odd vocabularies and widths, tied or untied, checkpointed (reentrant
-    or not) or not.
+    or not) or not, the final norm and head sharded as one unit or left to the root.
 
     Example:
         >>> from hypothesis import given
@@ -165,6 +165,7 @@ def transformer_specs(
             tie_embeddings=draw(st.booleans()),
             checkpoint=checkpoint,
             reentrant=checkpoint != "none" and draw(st.booleans()),
+            tail_unit=draw(st.booleans()),
             dtype=dtype,
             batch_size=draw(st.integers(1, 3)),
             seed=draw(st.integers(0, 2**16)),
