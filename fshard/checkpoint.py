@@ -884,7 +884,12 @@ def _optim_template(
                 continue
             dtype = getattr(torch, d["dtype"])
             shape = tuple(d["shape"])
-            if d["kind"] == "sharded" and slot is not None:
+            if key == "step" and name not in on_device_step:
+                # As torch's optimizers keep it: on the CPU unless capturable or fused (a step
+                # on the GPU costs two host syncs per parameter and step). Also the step of a
+                # 0-d parameter, shaped like it and so saved as its (replicated) shard.
+                per[key] = torch.empty(shape, dtype=dtype, device="cpu")
+            elif d["kind"] == "sharded" and slot is not None:
                 if shape != tuple(slot.layout.full_shape):
                     problems.add(
                         f"optimizer state {name!r}[{key!r}]: shape mismatch, the checkpoint has "
@@ -893,10 +898,6 @@ def _optim_template(
                     continue
                 local = torch.empty(slot.layout.local_shape, dtype=dtype, device=param.device)
                 per[key] = _as_dtensor(slot, local)
-            elif key == "step" and name not in on_device_step:
-                # As torch's optimizers keep it: on the CPU unless capturable or fused (a step
-                # on the GPU costs two host syncs per parameter and step).
-                per[key] = torch.empty(shape, dtype=dtype, device="cpu")
             else:
                 per[key] = torch.empty(shape, dtype=dtype, device=param.device)
         out[name] = per

@@ -757,3 +757,42 @@ def test_a_compiled_model_saves_under_its_prefixed_keys_and_its_inner_module_und
     inner = get_pool(2).run(_compiled_keys_task, str(tmp_path / "inner"), True)
     assert inner[0][0] == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert all(loaded is True for _, loaded in inner)
+
+
+class _WithScale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))  # 0-d: held whole by every rank
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _zero_dim_step_task(path):
+    model = _WithScale()
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    ckpt.save(path, model, opt)
+    fresh = _WithScale()
+    fshard.fully_shard(fresh, mesh=mesh_for((2,)))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    # The template's step: on the CPU, plain, as torch's Adam keeps it (not on the param's
+    # device because the 0-d param's step is shaped like the param, hence saved as its shard).
+    template = ckpt._optim_template(fresh, fresh_opt, ckpt._read_manifest(path)["optimizer"], "load", strict=True)
+    step = template["scale"]["step"]
+    ckpt.load(path, fresh, fresh_opt)
+    loaded = fresh_opt.state[fresh.scale]
+    return (
+        type(step) is torch.Tensor and step.device.type == "cpu",
+        loaded["step"].device.type == "cpu" and float(loaded["step"]) == 1.0,
+        torch.equal(loaded["exp_avg"], opt.state[model.scale]["exp_avg"]),
+    )
+
+
+def test_the_step_of_a_zero_dim_parameter_loads_onto_the_cpu(tmp_path):
+    for result in get_pool(2).run(_zero_dim_step_task, str(tmp_path / "ckpt")):
+        assert result == (True, True, True)
