@@ -165,8 +165,15 @@ class ParamGroup:
         self.fqn: str | None = None  # the module's FQN, set at root init ("" for the root)
         self.fqns: list[str] = []  # every module's FQN, set with ``fqn``
         # Of a unit of several modules: those that have not run yet in this forward; the unit
-        # is freed after the last of them (see _hooks._post_forward).
+        # is freed after the last of them (see _hooks._post_forward), or, if one does not run,
+        # at the end of the model's forward (``deferred_reshard``).
         self.modules_to_run: set[int] = set()
+        self.deferred_reshard = False
+        # Forwards of this unit's modules under way (one of them called inside another's) and
+        # the outer ones' passed inputs, set aside meanwhile.
+        self.forward_depth = 0
+        self.outer_passed: list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None] = []
+        self.forward_mark = -1  # the model forward (RootState.forwards) it last started in
         self.mesh_info = mesh_info
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy

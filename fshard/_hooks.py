@@ -641,6 +641,7 @@ class RootState:
         self.step_order: list[ParamGroup] = []
         self.reference_order: list[ParamGroup] | None = None
         self.steps = 0  # backwards so far (units mark their first run in a step with it)
+        self.forwards = 0  # the model's forwards so far (units mark their first run in one)
         self._order_checked = False  # in this backward
         self.finish_order: list[ParamGroup] = []  # and as each finished (the root last)
         self._recorded = False
@@ -672,8 +673,11 @@ class RootState:
     def on_root_pre_forward(self) -> None:
         if self._callback_queued and not in_backward():
             self._recover_from_aborted_backward()
+        self.forwards += 1
         for group in self.groups:
             group.modules_to_run.clear()  # (a module of a unit of several did not run)
+            group.forward_depth = 0  # (a forward of it raised)
+            group.outer_passed.clear()
         check_params_in_place(self.groups)
         if self.root.training_state is TrainingState.FORWARD:
             self.recover_from_aborted_forward()
@@ -705,9 +709,14 @@ class RootState:
         inference = not torch.is_grad_enabled() and not self._grad_forward_pending
         for group in self.groups:
             if group.sharded_state is not ShardedState.SHARDED and (
-                inference or not group.ran_since_backward
+                inference or not group.ran_since_backward or group.deferred_reshard
             ):
+                # (deferred_reshard: a unit of several modules, one of which did not run after
+                # the others, or ran again: freed now, as its last module would have; its
+                # backward gathers it again.)
                 group.reshard()
+            group.deferred_reshard = False
+            group.modules_to_run.clear()
             if inference:
                 group.ran_since_backward = False
             elif group.sharded_state is ShardedState.UNSHARDED:
@@ -997,6 +1006,9 @@ class RootState:
         for group in self.groups:
             group.outside_calls.clear()
             group.modules_to_run.clear()
+            group.deferred_reshard = False
+            group.forward_depth = 0
+            group.outer_passed.clear()
             aborted = group.training_state is TrainingState.FORWARD
             if group.training_state in (TrainingState.FORWARD, TrainingState.IDLE):
                 # Also units kept from their forward (reshard_after_forward=False): an optimizer
@@ -1220,19 +1232,30 @@ def _pre_forward(
         group.reset_backward()  # the first forward since the last backward
     group.training_state = TrainingState.FORWARD
     group.ran_since_backward = True
-    if len(group.modules) > 1:
+    if group.forward_depth > 0:
+        # A module of this unit (of several) called inside the forward of another of them:
+        # the outer call's passed inputs wait (see _post_forward).
+        group.outer_passed.append(group.passed_inputs)
+        group.passed_inputs = None
+    group.forward_depth += 1
+    if len(group.modules) > 1 and not group.modules_to_run:
         # A unit of several modules is gathered once for all of them: see _post_forward.
-        if not group.modules_to_run:
-            group.modules_to_run = {id(m) for m in group.modules}
-        group.modules_to_run.discard(id(module))
+        group.modules_to_run = {id(m) for m in group.modules}
     root.record(group)
     group.unshard()
     if torch.is_grad_enabled():
         group.note_forward_versions()
         if _SEQUENCE_NR is not None:
             group.forward_seq = _SEQUENCE_NR()
-    for target in root.forward_targets(group):
-        target.unshard(async_op=True)
+    if group.forward_mark != root.forwards and root.root.training_state is TrainingState.FORWARD:
+        # Prefetch once per model forward, at the unit's first call: a later call (a module of
+        # a unit of several, a block run twice) would gather the unit after its first call in
+        # the recorded order, which ran and was freed already, and hold it to the end of the
+        # backward. A unit called outside the model's forward prefetches nothing: no end of
+        # a model's forward frees what it would prefetch.
+        group.forward_mark = root.forwards
+        for target in root.forward_targets(group):
+            target.unshard(async_op=True)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
         ctx = None
@@ -1365,6 +1388,9 @@ def _post_forward(
     if in_backward():
         return None
     root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    group.forward_depth = max(group.forward_depth - 1, 0)
+    group.modules_to_run.discard(id(module))
+    nested = group.forward_depth > 0  # inside another module's forward of this unit
     grad_enabled = torch.is_grad_enabled()
     handed_back: set[int] = set()  # inputs returned as given: no hook of this unit on them
     if passed is not None:
@@ -1406,14 +1432,19 @@ def _post_forward(
             # or an object fshard cannot look into), yet autograd may have saved the gathered
             # params: keep them until the unit's gradients are reduced (or the backward ends).
             keep = True
-    if (not grad_enabled or not keep) and not (
-        group.modules_to_run and root.root.training_state is TrainingState.FORWARD
-    ):
-        # (A unit of several modules, some of which have not run yet in the model's forward,
-        # stays gathered for them, as one would hold it through a forward that calls them
-        # all. If one of them does not run after all, the unit is kept for backward, or freed
-        # at the end of a forward without grad, as any unit that ran.)
-        group.reshard()
+    if nested:
+        # The outer module's forward goes on with the unit gathered and its passed inputs.
+        group.passed_inputs = group.outer_passed.pop() if group.outer_passed else None
+        return output
+    if not grad_enabled or not keep:
+        if group.modules_to_run and root.root.training_state is TrainingState.FORWARD:
+            # A unit of several modules, some of which have not run yet in the model's
+            # forward, stays gathered for them; if one does not run after all (or one runs
+            # again), the end of the model's forward frees it.
+            group.deferred_reshard = True
+        else:
+            group.reshard()
+            group.deferred_reshard = False
     group.training_state = TrainingState.IDLE
     root.record_finish(group)
     if root.root is group:
@@ -1713,10 +1744,12 @@ def _refuse_root_of_several(group: ParamGroup) -> None:
     """A unit of several modules cannot be the root: the root's forward is the model's."""
     if len(group.modules) > 1:
         raise ValueError(
-            f"fshard: the unit of modules {group.label} ran (or was used) before any unit "
-            "containing it, so it would be the root, and a root is one module (the model's "
-            "forward is the root's). Call fully_shard on the model too, after its blocks "
-            "(fshard.fully_shard(model, mesh=mesh)), and use the model."
+            f"fshard: the unit of modules {group.label} ran (or was used: fshard.unshard, "
+            "set_prefetch, a state dict of it) before the model's first forward, so it would "
+            "become a root, and a root is one module (the model's forward is the root's). Run "
+            "the model's forward first, or use the model itself (fshard.unshard(model)); call "
+            "fully_shard on the model too, after its blocks, if you have not "
+            "(fshard.fully_shard(model, mesh=mesh))."
         )
 
 

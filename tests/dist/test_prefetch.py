@@ -569,3 +569,21 @@ def test_set_prefetch_takes_torchs_enum_and_a_module_list_slice():
     ours, ported = pool.run(_trace_with_settings, "fshard"), pool.run(_trace_with_settings, "torch")
     assert ours == ported
     assert ours != pool.run(_trace_with_settings, "default")  # the settings took effect
+
+
+def _direct_call_worker():
+    model = build_model(SPEC)
+    shard_model(SPEC, model, mesh_for((2,)))
+    batch = make_batch(SPEC, 0, dist.get_rank())
+    compute_loss(SPEC, model, batch).backward()  # records the order
+    h = torch.randn(2, SPEC.seq, SPEC.dim)
+    with torch.no_grad(), trace_collectives() as records:
+        model.blocks[1](h)  # a block on its own, outside the model's forward
+    return [r.label for r in records if r.op == "all_gather"], fshard.memory_stats().gathered_bytes
+
+
+def test_a_unit_called_outside_the_models_forward_prefetches_nothing():
+    """It gathered the next unit of the recorded order, which nothing then freed (no end of a
+    model's forward follows), until the model's next forward."""
+    for gathers, left in get_pool(2).run(_direct_call_worker):
+        assert gathers == ["blocks.1"] and left == 0, (gathers, left)

@@ -158,9 +158,9 @@ def test_a_unit_of_several_modules_gathers_and_reduces_once_per_pass():
 
 
 def _skip_head_worker():
-    """A forward in which the head does not run (the same on every rank): the unit stays
-    gathered for a backward that computes the norm's gradients, and the next forward (with
-    the head) gathers once again."""
+    """A forward in which the head does not run (the same on every rank): the unit is freed at
+    the end of the model's forward, gathered again for the norm's backward, and the next
+    forward (with the head) gathers once again."""
     model = _lm()
     _shard_titan(model, mesh_for((2,)))
     reference = _lm()
@@ -224,8 +224,9 @@ def test_a_unit_of_several_modules_without_a_root_is_named():
         get_pool(2).run(_root_of_several_worker)
     for exc in info.value.errors.values():
         assert isinstance(exc, ValueError)
-        assert "the unit of modules [LayerNorm, Linear] ran (or was used) before any unit" in str(exc)
-        assert "Call fully_shard on the model too" in str(exc)
+        assert "the unit of modules [LayerNorm, Linear] ran (or was used: " in str(exc)
+        assert "before the model's first forward" in str(exc)
+        assert "call fully_shard on the model too, after its blocks, if you have not" in str(exc)
 
 
 def _outside_the_root_worker():
@@ -291,3 +292,122 @@ def _meta_worker():
 def test_a_unit_of_several_modules_built_on_meta_materializes_like_the_plain_model():
     for result in get_pool(2).run(_meta_worker):
         assert all(result.values()), result
+
+
+class _Tail(nn.Module):
+    """Calls the head it is given (not a submodule: as transformers passes a shared embedding)
+    and then reads its own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        return self.proj(torch.tanh(head(self.ln(h))))
+
+
+class _CallsInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.tail = _Tail()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(torch.tanh(self.inp(x)), self.head)
+
+
+def _nested_worker(reshard_after_forward):
+    model, reference = _CallsInside(), _CallsInside()
+    mesh = mesh_for((2,))
+    fshard.fully_shard([model.tail, model.head], mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fshard.fully_shard(model, mesh=mesh)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ddp)]
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        for m, opt in zip((model, ddp), opts, strict=True):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    full = fshard.full_state_dict(model, rank0_only=False)
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_module_of_the_unit_called_inside_another_of_its_modules(reshard_after_forward):
+    """The inner call's end is not the unit's: the outer module goes on with the gathered
+    parameters (freeing them there made it compute with this rank's shard: a shape error)."""
+    for diff in get_pool(2).run(_nested_worker, reshard_after_forward):
+        assert diff < 1e-6
+
+
+class _Apart(nn.Module):
+    """``order`` names the modules the forward calls, in turn (``extra`` twice, say)."""
+
+    def __init__(self, order: tuple[str, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(_Block(8) for _ in range(3))
+        self.extra = nn.LayerNorm(8)
+        self.output = nn.Linear(8, 11)
+        self.order = order
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for name in self.order:
+            h = self.blocks[int(name)](h) if name.isdigit() else getattr(self, name)(h)
+        return self.output(h)
+
+
+def _gathers_worker(listed, order):
+    model = _Apart(order)
+    mesh = mesh_for((2,))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard([getattr(model, name) for name in listed], mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(3):
+        with trace_collectives() as forward:
+            loss = _lm_loss(model, _tokens(step, dist.get_rank()))
+        after_forward = fshard.memory_stats().gathered_bytes
+        with trace_collectives() as backward:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        steps.append(
+            (
+                [r.label for r in forward if r.op == "all_gather"],
+                [r.label for r in backward if r.op == "all_gather"],
+                after_forward,
+            )
+        )
+    return steps
+
+
+@pytest.mark.parametrize(
+    "listed,order,unit",
+    [
+        (("embed", "output"), ("0", "1", "2"), "embed+output"),  # far apart
+        (("extra", "output"), ("0", "extra", "1", "2", "extra"), "extra+output"),  # one runs twice
+    ],
+    ids=["far-apart", "called-twice"],
+)
+def test_a_unit_of_several_modules_gathers_the_same_every_step(listed, order, unit):
+    """Prefetch is once per model forward, at a unit's first call (the later modules of a unit
+    prefetched the unit after its first one, run and freed already, and held it through the
+    backward); a unit whose module runs again after its last one is freed at the end of the
+    model's forward, so its backward gathers it again, as in the step that recorded the order."""
+    for steps in get_pool(2).run(_gathers_worker, listed, order):
+        first_forward, first_backward, first_after = steps[0]
+        for forward, backward, after in steps[1:]:
+            assert sorted(forward) == sorted(first_forward), (forward, first_forward)
+            assert sorted(backward) == sorted(first_backward), (backward, first_backward)
+            assert after == first_after
+        assert first_forward.count(unit) == 1, first_forward
+        assert unit in first_backward, first_backward  # freed after forward: gathered again
