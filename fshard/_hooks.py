@@ -1276,6 +1276,12 @@ def _pre_forward(
     group.grad_forward_ran = True
     group.backward_may_come = True
     root.note_run(group)
+    if group.forward_depth > 1:
+        # Inside another call of this unit (a unit of several modules): that call's inputs
+        # tell when both are done. A waiter of its own would let the unit be freed (parked,
+        # then released by a unit the outer call ran before it) while the outer call's
+        # backward still reads its parameters.
+        return args, kwargs
     # The inputs' gradients tell when the unit's backward is done: [Note: when a unit's
     # backward is done].
     wrapped = _wrap_inputs(group, args, kwargs)

@@ -307,21 +307,39 @@ class _Tail(nn.Module):
         return self.proj(torch.tanh(head(self.ln(h))))
 
 
-class _CallsInside(nn.Module):
+class _TailAroundABlock(nn.Module):
+    """Runs another unit (``block``) between its own layers and the head it is given."""
+
     def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, block: nn.Module, head: nn.Module) -> torch.Tensor:
+        return self.b(torch.tanh(head(block(self.a(h)))))
+
+
+class _CallsInside(nn.Module):
+    def __init__(self, around_block: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(8, 8)
-        self.tail = _Tail()
+        self.tail = _TailAroundABlock() if around_block else _Tail()
+        self.block = _Block(8)
         self.head = nn.Linear(8, 8)
+        self.around_block = around_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tail(torch.tanh(self.inp(x)), self.head)
+        h = torch.tanh(self.inp(x))
+        if self.around_block:
+            return self.tail(h, self.block, self.head)
+        return self.tail(self.block(h), self.head)
 
 
-def _nested_worker(reshard_after_forward):
-    model, reference = _CallsInside(), _CallsInside()
+def _nested_worker(reshard_after_forward, around_block):
+    model, reference = _CallsInside(around_block), _CallsInside(around_block)
     mesh = mesh_for((2,))
+    fshard.fully_shard(model.block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fshard.fully_shard([model.tail, model.head], mesh=mesh, reshard_after_forward=reshard_after_forward)
     fshard.fully_shard(model, mesh=mesh)
     ddp = torch.nn.parallel.DistributedDataParallel(reference)
@@ -336,11 +354,14 @@ def _nested_worker(reshard_after_forward):
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
+@pytest.mark.parametrize("around_block", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_a_module_of_the_unit_called_inside_another_of_its_modules(reshard_after_forward):
+def test_a_module_of_the_unit_called_inside_another_of_its_modules(reshard_after_forward, around_block):
     """The inner call's end is not the unit's: the outer module goes on with the gathered
-    parameters (freeing them there made it compute with this rank's shard: a shape error)."""
-    for diff in get_pool(2).run(_nested_worker, reshard_after_forward):
+    parameters (freeing them there made it compute with this rank's shard: a shape error),
+    and its backward too (the inner call's own inputs told the unit its backward was done, and
+    the block's backward, run in between, freed it: "out of bounds for storage of size 0")."""
+    for diff in get_pool(2).run(_nested_worker, reshard_after_forward, around_block):
         assert diff < 1e-6
 
 
