@@ -20,6 +20,7 @@ from fshard._api import (
     reshard,
     set_prefetch,
     set_requires_gradient_sync,
+    set_reshard_after_backward,
     unshard,
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
@@ -51,6 +52,7 @@ __all__ = [
     # control
     "no_sync",
     "set_requires_gradient_sync",
+    "set_reshard_after_backward",
     "unshard",
     "reshard",
     "UnshardHandle",

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, first_few
-from fshard._group import ParamGroup, ShardedState
+from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._hooks import (
     check_prefetch_alike,
     check_prefetch_targets,
@@ -463,6 +463,38 @@ def no_sync(module: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None
         for g, (sync, scatter) in zip(groups, previous, strict=True):
             g.requires_gradient_sync = sync
             g.reduce_scatter_while_accumulating = scatter
+
+
+def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) -> None:
+    """Keep (``False``) or free (``True``, the default) every unit's gathered parameters after
+    its backward, for the units in ``module``.
+
+    With ``False`` a unit's gathered parameters outlive its backward (the modules show the
+    shards meanwhile), and its next forward uses them without an all-gather if the shards did
+    not change since; after an optimizer step (or any edit of the shards) it gathers afresh.
+    With ``reshard_after_forward=False`` units, a gradient accumulation loop then gathers each
+    unit once: in the first micro-batch's forward. The price is memory: every unit that ran
+    stays gathered between steps, as under DDP. What FSDP2's
+    ``module.set_reshard_after_backward(False)`` does; ``fshard.reshard(model)`` frees them.
+
+    Example:
+        >>> fshard.set_reshard_after_backward(model, False)  # doctest: +SKIP
+        >>> with fshard.no_sync(model):                      # doctest: +SKIP
+        ...     for x in micro_batches[:-1]:
+        ...         model(x).sum().backward()                # gathers only the first time
+        >>> model(micro_batches[-1]).sum().backward()        # doctest: +SKIP
+        >>> fshard.set_reshard_after_backward(model, True)   # doctest: +SKIP
+        >>> opt.step()                                       # doctest: +SKIP
+    """
+    if not isinstance(reshard_after_backward, bool):
+        raise TypeError(
+            f"set_reshard_after_backward: reshard_after_backward must be a bool, got "
+            f"{reshard_after_backward!r}"
+        )
+    for group in units_or_error(module, "set_reshard_after_backward"):
+        group.reshard_after_backward = reshard_after_backward
+        if reshard_after_backward and group.is_hidden() and group.training_state is TrainingState.IDLE:
+            group.reshard()  # kept from a backward: freed now
 
 
 class UnshardHandle:

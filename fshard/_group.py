@@ -187,6 +187,9 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
+        # False (set_reshard_after_backward): the gathered params outlive the backward, hidden,
+        # and the next forward uses them if the shards did not change since (no all-gather).
+        self.reshard_after_backward = True
         self.reduce_scatter_while_accumulating = False
         self._pending_gather: list[tuple[FlatBucket, dist.Work | None, torch.Tensor]] = []
         # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
@@ -622,11 +625,25 @@ class ParamGroup:
         if self._segments:
             self._segments.pop()
 
-    def end_backward(self) -> None:
-        """Back to idle after a backward (or an aborted one): freed, bookkeeping forgotten."""
-        self.reshard()
+    def end_backward(self, *, aborted: bool = False) -> None:
+        """Back to idle after a backward (or an aborted one: always freed), bookkeeping
+        forgotten."""
+        if aborted:
+            self.reshard()
+        else:
+            self.free_after_backward()
         self.reset_backward()
         self.training_state = TrainingState.IDLE
+
+    def free_after_backward(self) -> None:
+        """The unit's backward is done with its gathered params: free them, or, with
+        ``reshard_after_backward`` off, put the shards back in the modules and keep the
+        gathered storage for the next forward (``unshard`` shows it again if the shards have
+        not changed since the gather, and gathers afresh if they have)."""
+        if not self.reshard_after_backward and self.sharded_state is ShardedState.UNSHARDED:
+            self.hide_unsharded()
+        else:
+            self.reshard()
 
     def may_need_params_in_backward(self) -> bool:
         """Whether this step's backward may read the gathered params (they need grad, or a
@@ -743,7 +760,7 @@ class ParamGroup:
         to the end of the backward, a moment every rank reaches at the same point."""
         if self.earlier_graph or self._frozen_or_nested_keep() or not all(w.ready for w in self._waiters):
             return  # (the backward of a call with such inputs may still read the params)
-        self.reshard()
+        self.free_after_backward()
         self._freed_in_backward = True
 
     def _frozen_or_nested_keep(self) -> bool:
@@ -768,7 +785,7 @@ class ParamGroup:
             return
         if self.checkpointed_calls > 0 or (not waiting and self._frozen_or_nested_keep()):
             return  # (a recompute to come, frozen params or a nested backward may read them)
-        self.reshard()
+        self.free_after_backward()
         if not self._freed_in_backward:
             self._freed_in_backward = True
             root = self.root

@@ -993,7 +993,7 @@ class RootState:
                 group.accumulate_unsynced_grads()
             else:
                 group.drop_unsharded_grads()
-            group.end_backward()
+            group.end_backward(aborted=True)
         self.hidden_kept = False
         if failure is not None:
             raise failure

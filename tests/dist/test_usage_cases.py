@@ -4,6 +4,7 @@ support, which must be clear errors rather than wrong numbers or a crash in auto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -1121,3 +1122,81 @@ def test_unshard_of_a_block_before_the_first_forward(reshard_first):
     forward, read its parameters off the modules: the gathered copies, which the modules then
     kept (freed, plain, without gradients: reading one crashed the process)."""
     assert get_pool(2).run(_unshard_a_block_first_worker, reshard_first) == [True, True]
+
+
+def _keep_after_backward_worker(reshard_after_forward: bool):
+    from fshard.testing import trace_collectives
+
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)),
+        lambda m: (m[0], m[2], m[4]),
+        reshard_after_forward=reshard_after_forward,
+    )
+    optims = _sgd(ddp, model)
+    fshard.set_reshard_after_backward(model, False)
+    base = fshard.memory_stats().gathered_bytes  # (what earlier tasks in this rank left)
+    gathers = []
+    for step in range(2):
+        for micro in range(3):
+            x = _batch(10 * step + micro, (4, 6))
+            last = micro == 2
+            with contextlib.ExitStack() as stack:
+                if not last:
+                    stack.enter_context(fshard.no_sync(model))
+                    stack.enter_context(ddp.no_sync())
+                with trace_collectives() as records:
+                    _square_loss(model, x).backward()
+                _square_loss(ddp, x).backward()
+            gathers.append(sum(r.op == "all_gather" for r in records))
+            # Between micro-batches the modules show the shards, as always.
+            assert all(fshard.is_sharded(p) for p in model.parameters())
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    _assert_params_equal(model, reference)
+    kept = fshard.memory_stats().gathered_bytes - base
+    fshard.set_reshard_after_backward(model, True)  # frees what was kept
+    return gathers, kept, fshard.memory_stats().gathered_bytes - base
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_units_kept_gathered_after_backward_for_gradient_accumulation(reshard_after_forward):
+    """Each micro-batch after the first uses the gathered params its predecessor's backward
+    kept; after the optimizer step the shards changed, so the next forward gathers afresh
+    (and trains like DDP)."""
+    for gathers, kept, after in get_pool(2).run(_keep_after_backward_worker, reshard_after_forward):
+        units = 3  # (the root holds no parameter of its own)
+        if reshard_after_forward:  # freed after forward, gathered in backward: that stays
+            assert gathers == [2 * units, units, units] * 2, gathers
+        else:
+            assert gathers == [units, 0, 0] * 2, gathers
+        assert kept > 0 and after == 0
+
+
+def _shard_keeping_after_backward(spec, model, mesh):
+    from fshard.testing.models import shard_model
+
+    shard_model(spec, model, mesh, reshard_after_forward=False)
+    fshard.set_reshard_after_backward(model, False)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
+def test_units_kept_after_backward_train_like_ddp(mesh_shape):
+    """Every step reuses nothing stale: the optimizer step changes the shards, and the next
+    forward gathers afresh (checkpointed blocks and a tied head included)."""
+    import functools
+
+    from fshard.testing import assert_equivalent_to_ddp
+    from fshard.testing.models import TransformerSpec, build_model, compute_loss, make_batch
+
+    spec = TransformerSpec(vocab=13, dim=6, layers=2, checkpoint="around", tail_unit=True)
+    assert_equivalent_to_ddp(
+        functools.partial(build_model, spec),
+        batch_fn=functools.partial(make_batch, spec),
+        loss_fn=functools.partial(compute_loss, spec),
+        shard_fn=functools.partial(_shard_keeping_after_backward, spec),
+        world_size=math.prod(mesh_shape),
+        mesh_shape=mesh_shape,
+        steps=3,
+        grad_accum=2,
+    )
