@@ -45,3 +45,23 @@ def test_step_bench_smoke(tmp_path):
         assert figures[name]["comm_sources_agree"], figures[name]
     # Same data, same initial weights: every variant's loss matches DDP's up to rounding.
     assert all(entry["max_abs_loss_diff_vs_ddp"] < 1e-3 for entry in figures.values()), figures
+
+
+def test_accum_bench_smoke():
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(ROOT / "benchmarks" / "accum_bench.py"),
+        "--micro", "3", "--steps", "1", "--warmup", "0", "--layers", "1", "--dim", "32", "--seq", "8",
+    ]  # fmt: skip
+    try:
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"accum_bench timed out after 120s\n{exc.stdout}\n{exc.stderr}") from None
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    gathers = {name: int(rows[name][2]) for name in ("zero3", "zero3-keep", "zero2", "zero2-keep")}
+    # One block and the root: ZeRO-2 with keep gathers each once per optimizer step.
+    assert gathers["zero2-keep"] == 2 and gathers["zero2"] == 2 * 3, gathers
+    assert gathers["zero3-keep"] < gathers["zero3"], gathers
+    assert len({rows[name][4] for name in gathers}) == 1, result.stdout  # the same final loss
