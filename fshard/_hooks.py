@@ -444,11 +444,22 @@ _CONTAINER_ATTR = "_fshard_container_hooked"
 
 
 def hook_containers(group: ParamGroup) -> None:
-    """Hook the modules below ``group``'s module that hold units but are none (idempotent)."""
+    """Hook the modules below ``group``'s module that hold units but are none, and the units
+    below it that read one of its parameters (a tied embedding that root init gave to the root,
+    read by an encoder stack that is a unit: ``model.get_encoder()(...)`` must gather the root
+    too). Idempotent."""
     stack = [child for top in group.modules for child in top.children()]
     while stack:
         module = stack.pop()
         if _UNIT_ATTR in module.__dict__:
+            if _CONTAINER_ATTR not in module.__dict__ and _reads_params_of(module, group):
+                module.__dict__[_CONTAINER_ATTR] = True
+                module.register_forward_pre_hook(
+                    _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
+                )
+                module.register_forward_hook(
+                    _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
+                )
             continue
         children = list(module.children())
         if _CONTAINER_ATTR not in module.__dict__ and any(
@@ -462,6 +473,16 @@ def hook_containers(group: ParamGroup) -> None:
                 _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
             )
         stack.extend(children)
+
+
+def _reads_params_of(module: nn.Module, group: ParamGroup) -> bool:
+    """Whether a module in ``module``'s subtree registers a parameter ``group`` owns."""
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            slot = param.__dict__.get("_fshard_slot") if param is not None else None
+            if slot is not None and slot.group_ref() is group:
+                return True
+    return False
 
 
 def _after_forward(group: ParamGroup, module: nn.Module, args: Any, output: Any) -> None:

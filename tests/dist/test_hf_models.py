@@ -63,10 +63,10 @@ def test_generate_with_ranks_finishing_at_different_steps():
     assert [length for _, length in results] == [3 + 1, 3 + 3]
 
 
-def _encoder_decoder_generate_worker():
+def _encoder_decoder_generate_worker(stacks_are_units: bool):
     import copy
 
-    from transformers.models.t5.modeling_t5 import T5Block
+    from transformers.models.t5.modeling_t5 import T5Block, T5Stack
 
     torch.manual_seed(0)
     config = transformers.T5Config(
@@ -74,20 +74,28 @@ def _encoder_decoder_generate_worker():
     )
     model = transformers.T5ForConditionalGeneration(config).eval()
     reference = copy.deepcopy(model)
-    fshard.auto_shard(model, policy=fshard.by_class(T5Block), mesh=mesh_for((2,)))
+    classes = (T5Block, T5Stack) if stacks_are_units else (T5Block,)
+    fshard.auto_shard(model, policy=fshard.by_class(*classes), mesh=mesh_for((2,)))
     ids = torch.randint(1, 32, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        expected = reference.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    return torch.equal(out, expected)
+    same = []
+    for _ in range(2):  # the second after an inference forward freed the root
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            expected = reference.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            encoded = model.get_encoder()(input_ids=ids).last_hidden_state
+            want = reference.get_encoder()(input_ids=ids).last_hidden_state
+        same.append(torch.equal(out, expected) and torch.allclose(encoded, want, atol=1e-5))
+    return all(same)
 
 
-def test_encoder_decoder_generate_with_one_unit_per_block():
+@pytest.mark.parametrize("stacks_are_units", [False, True])
+def test_encoder_decoder_generate_with_one_unit_per_block(stacks_are_units):
     """T5's generate runs ``model.get_encoder()(...)`` first, outside the model's forward; the
-    root unit's shared embedding and final norms are gathered for it."""
+    root unit's shared embedding and final norms are gathered for it, also when the encoder
+    stack is a unit of its own (which reads the root's tied embedding)."""
     pool = RankPool(2, timeout=120, pg_timeout=20)
     try:
-        assert pool.run(_encoder_decoder_generate_worker) == [True, True]
+        assert pool.run(_encoder_decoder_generate_worker, stacks_are_units) == [True, True]
     finally:
         pool.close()
 
