@@ -467,15 +467,20 @@ def no_sync(module: nn.Module, *, reduce_scatter: bool = False) -> Iterator[None
 
 def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) -> None:
     """Keep (``False``) or free (``True``, the default) every unit's gathered parameters after
-    its backward, for the units in ``module``.
+    a backward without gradient sync (a gradient accumulation micro-batch), for the units in
+    ``module``.
 
-    With ``False`` a unit's gathered parameters outlive its backward (the modules show the
-    shards meanwhile), and its next forward uses them without an all-gather if the shards did
-    not change since; after an optimizer step (or any edit of the shards) it gathers afresh.
-    With ``reshard_after_forward=False`` units, a gradient accumulation loop then gathers each
-    unit once: in the first micro-batch's forward. The price is memory: every unit that ran
-    stays gathered between steps, as under DDP. What FSDP2's
-    ``module.set_reshard_after_backward(False)`` does; ``fshard.reshard(model)`` frees them.
+    With ``False`` a unit's gathered parameters outlive such a backward (the modules show the
+    shards meanwhile), and its next forward uses them without an all-gather. With
+    ``reshard_after_forward=False`` units, a gradient accumulation loop then gathers each unit
+    once: in the first micro-batch's forward. A synchronised backward (the last micro-batch,
+    or any step without ``no_sync``) frees them as usual, so the forward after an optimizer
+    step always gathers the new values (fused optimizers and ``p.data`` edits change the shards
+    without a trace fshard could check). Edits of the shards between micro-batches through
+    the parameters (``p.to_local().mul_(...)``, a state dict load, ``p.data = ...``) are seen,
+    and the next forward gathers afresh. The price is memory: every unit that ran stays
+    gathered through the accumulation. What FSDP2's ``module.set_reshard_after_backward(False)``
+    is used for; ``fshard.reshard(model)`` frees them.
 
     Example:
         >>> fshard.set_reshard_after_backward(model, False)  # doctest: +SKIP

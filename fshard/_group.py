@@ -354,13 +354,16 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
-        if (
-            self.is_hidden() or self.sharded_state is ShardedState.UNSHARDING
-        ) and self._versions_at_gather != self._shard_versions():
+        if (self.is_hidden() or self.sharded_state is ShardedState.UNSHARDING) and (
+            self._versions_at_gather != self._shard_versions()
+            or not all(b.is_packed() for b in self.buckets)
+        ):
             # Kept from a forward whose backward has not run, or prefetched by one (a unit
-            # called again late in the forward prefetches the one recorded after it), and the
-            # shards changed since the gather was issued (an optimizer step, an edit): gather
-            # afresh rather than show the old values. (That backward, if it comes, raises: see
+            # called again late in the forward prefetches the one recorded after it), or kept
+            # from a backward without gradient sync (set_reshard_after_backward), and the shards
+            # changed since the gather was issued (an optimizer step, an edit; or their data
+            # was replaced: p.data = ..., model.to(dtype)): gather afresh rather than show the
+            # old values. (That backward, if it comes, raises: see
             # check_unchanged_since_forward.) The same on every rank: every rank steps or edits
             # alike.
             self.reshard()
@@ -637,10 +640,19 @@ class ParamGroup:
 
     def free_after_backward(self) -> None:
         """The unit's backward is done with its gathered params: free them, or, with
-        ``reshard_after_backward`` off, put the shards back in the modules and keep the
-        gathered storage for the next forward (``unshard`` shows it again if the shards have
-        not changed since the gather, and gathers afresh if they have)."""
-        if not self.reshard_after_backward and self.sharded_state is ShardedState.UNSHARDED:
+        ``reshard_after_backward`` off and in a backward without gradient sync (a gradient
+        accumulation micro-batch), put the shards back in the modules and keep the gathered
+        storage for the next forward (``unshard`` shows it again if the shards have not
+        changed since the gather, and gathers afresh if they have).
+
+        A synchronised backward always frees: the optimizer step that follows changes the
+        shards, and not every change shows in their version counters (fused optimizers and
+        ``p.data.add_`` write without bumping them), so the next forward must gather."""
+        if (
+            not self.reshard_after_backward
+            and not self.requires_gradient_sync
+            and self.sharded_state is ShardedState.UNSHARDED
+        ):
             self.hide_unsharded()
         else:
             self.reshard()

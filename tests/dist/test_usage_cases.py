@@ -1135,7 +1135,7 @@ def _keep_after_backward_worker(reshard_after_forward: bool):
     optims = _sgd(ddp, model)
     fshard.set_reshard_after_backward(model, False)
     base = fshard.memory_stats().gathered_bytes  # (what earlier tasks in this rank left)
-    gathers = []
+    gathers, kept = [], []
     for step in range(2):
         for micro in range(3):
             x = _batch(10 * step + micro, (4, 6))
@@ -1148,15 +1148,19 @@ def _keep_after_backward_worker(reshard_after_forward: bool):
                     _square_loss(model, x).backward()
                 _square_loss(ddp, x).backward()
             gathers.append(sum(r.op == "all_gather" for r in records))
+            kept.append(fshard.memory_stats().gathered_bytes - base)
             # Between micro-batches the modules show the shards, as always.
             assert all(fshard.is_sharded(p) for p in model.parameters())
         for opt in optims:
             opt.step()
             opt.zero_grad()
     _assert_params_equal(model, reference)
-    kept = fshard.memory_stats().gathered_bytes - base
+    model(_batch(99, (4, 6))).sum().backward()  # (synced: frees)
+    with fshard.no_sync(model):
+        model(_batch(99, (4, 6))).sum().backward()
+    before = fshard.memory_stats().gathered_bytes - base
     fshard.set_reshard_after_backward(model, True)  # frees what was kept
-    return gathers, kept, fshard.memory_stats().gathered_bytes - base
+    return gathers, kept, before, fshard.memory_stats().gathered_bytes - base
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])
@@ -1164,13 +1168,15 @@ def test_units_kept_gathered_after_backward_for_gradient_accumulation(reshard_af
     """Each micro-batch after the first uses the gathered params its predecessor's backward
     kept; after the optimizer step the shards changed, so the next forward gathers afresh
     (and trains like DDP)."""
-    for gathers, kept, after in get_pool(2).run(_keep_after_backward_worker, reshard_after_forward):
+    for gathers, kept, before, after in get_pool(2).run(_keep_after_backward_worker, reshard_after_forward):
         units = 3  # (the root holds no parameter of its own)
         if reshard_after_forward:  # freed after forward, gathered in backward: that stays
             assert gathers == [2 * units, units, units] * 2, gathers
         else:
             assert gathers == [units, 0, 0] * 2, gathers
-        assert kept > 0 and after == 0
+        # Kept after the micro-batches without sync; the synchronised last one frees.
+        assert kept[0] > 0 and kept[1] > 0 and kept[2] == 0 and kept[3:] == kept[:3], kept
+        assert before > 0 and after == 0
 
 
 def _shard_keeping_after_backward(spec, model, mesh):
@@ -1200,3 +1206,68 @@ def test_units_kept_after_backward_train_like_ddp(mesh_shape):
         steps=3,
         grad_accum=2,
     )
+
+
+def _keep_with_silent_updates_worker(how: str):
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)),
+        lambda m: (m[0], m[2], m[4]),
+        reshard_after_forward=False,
+    )
+    fshard.set_reshard_after_backward(model, False)
+    if how == "fused":  # writes the params without bumping their version counters
+        optims = [torch.optim.AdamW(m.parameters(), lr=0.05, fused=True) for m in (ddp, model)]
+    for step in range(3):
+        x = _batch(step, (4, 6))
+        for m in (model, ddp):
+            _square_loss(m, x).backward()
+        if how == "fused":
+            for opt in optims:
+                opt.step()
+                opt.zero_grad()
+        else:
+            with torch.no_grad():
+                for m in (model, ddp):
+                    for p in m.parameters():
+                        if how == "data-add":  # a hand-written SGD step
+                            p.data.add_(p.grad, alpha=-0.1)
+                        else:  # "data-assign"
+                            p.data = p.data - 0.1 * p.grad
+                        p.grad = None
+    _assert_params_equal(model, reference)
+    x = _batch(9, (4, 6))
+    torch.testing.assert_close(model(x), ddp(x), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("how", ["fused", "data-add", "data-assign"])
+def test_kept_params_never_outlive_an_update_fshard_cannot_see(how):
+    """Fused optimizers and p.data edits change the shards without a version bump: units are
+    kept only after backwards without sync (nothing steps then), and a replaced p.data is
+    seen; the next forward gathered the values from before the step (wrong results, or a
+    crash in backward)."""
+    assert get_pool(2).run(_keep_with_silent_updates_worker, how) == [True, True]
+
+
+def _keep_then_replace_data_worker():
+    ddp, model, reference = _beside_ddp(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)),
+        lambda m: (m[0],),
+        reshard_after_forward=False,
+    )
+    fshard.set_reshard_after_backward(model, False)
+    with fshard.no_sync(model):
+        model(_batch(0, (4, 6))).sum().backward()  # model[0] kept gathered
+    with torch.no_grad():
+        for m in (model, reference):
+            m[0].weight.data = m[0].weight.data * 2  # new data, same version counter
+    x = _batch(1, (4, 6))
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_kept_params_are_gathered_again_after_their_data_is_replaced():
+    """Between micro-batches, p.data = ... replaces a shard's storage: the kept copy is stale,
+    and the next forward gathers afresh (it showed the old values, and its backward's
+    re-pack freed the storage autograd had saved)."""
+    assert get_pool(2).run(_keep_then_replace_data_worker) == [True, True]
