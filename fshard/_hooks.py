@@ -1885,7 +1885,10 @@ def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
                 "model's tree (another sharded model uses it too); call fully_shard on a module "
                 "that contains every user of it (a parent of both models), or, for a parameter "
                 "that is not trained (a frozen embedding shared by teacher and student), leave "
-                "it unsharded: ignored_params=[it] in every fully_shard call that would take it"
+                "it unsharded: ignored_params=[it] in every fully_shard call that would take it. "
+                f"(This tree's root is the {type(module).__name__} whose forward ran first, or "
+                "that was used first: if the other user is in the same model, run the model's "
+                "forward before calling a part of it on its own.)"
             )
     problems.raise_if_any(ValueError)
     for source, target, slot in moves:

@@ -269,7 +269,8 @@ def test_shared_parameter_without_a_common_unit():
         2,
         _shared_without_common_unit,
         match=lambda m: "'weight' belongs to a unit outside this model's tree" in m
-        and "contains every user" in m,
+        and "contains every user" in m
+        and "This tree's root is the Linear whose forward ran first" in m,
     )
 
 
