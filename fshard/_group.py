@@ -162,8 +162,7 @@ class ParamGroup:
         # Every module of the unit: ``module`` alone, or the modules given to
         # ``fully_shard([norm, head])`` (``module`` is the first of them).
         self.modules: list[nn.Module] = [module]
-        self.fqn: str | None = None  # the module's FQN, set at root init ("" for the root)
-        self.fqns: list[str] = []  # every module's FQN, set with ``fqn``
+        self.fqns: list[str] = []  # every module's FQN, set at root init ("" for the root)
         # Of a unit of several modules: those that have not run yet in this forward; the unit
         # is freed after the last of them (see _hooks._post_forward), or, if one does not run,
         # at the end of the model's forward (``deferred_reshard``).
@@ -220,6 +219,11 @@ class ParamGroup:
         self.forward_seq = 0
         self.reset_backward()
         self.set_slots(slots, locals_)
+
+    @property
+    def fqn(self) -> str | None:
+        """The (first) module's FQN, ``None`` before root init."""
+        return self.fqns[0] if self.fqns else None
 
     @property
     def label(self) -> str:

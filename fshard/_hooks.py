@@ -1748,7 +1748,6 @@ def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -
             )
             continue
         g.fqns = [names[m] for m in g.modules]
-        g.fqn = g.fqns[0]
     problems.raise_if_any(ValueError)
     _check_meshes(group, groups)
     _check_units_are_called(module, groups)
