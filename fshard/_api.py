@@ -861,13 +861,22 @@ def _all_reduce_norm_power(
 
 
 def _passed_marks(passed: list[ParamSlot]) -> list[int]:
-    """How many sharded parameters were passed, and a 16-bit fingerprint of which (by unit and
-    name, in any order): small integers that float32 and float64 hold exactly."""
-    names = sorted(
-        f"{g.trace_name if (g := slot.group_ref()) is not None else ''}/{slot.fqn}" for slot in passed
-    )
-    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=2).digest()
-    return [len(passed), int.from_bytes(digest, "little")]
+    """How many sharded parameters were passed, and a 16-bit fingerprint of which (the sum of
+    each one's hash of its unit and name: any order): small integers that float32 and float64
+    hold exactly."""
+    return [len(passed), sum(_clip_mark(slot) for slot in passed) % 65536]
+
+
+def _clip_mark(slot: ParamSlot) -> int:
+    """A 16-bit hash of the parameter's unit and name, kept once the root named them."""
+    if slot.clip_mark is not None:
+        return slot.clip_mark
+    group = slot.group_ref()
+    name = f"{group.trace_name if group is not None else ''}/{slot.fqn}"
+    mark = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=2).digest(), "little")
+    if group is not None and group.fqn is not None:  # (before root init, names are partial)
+        slot.clip_mark = mark
+    return mark
 
 
 def _clip_mismatch(passed: list[ParamSlot] | None) -> RankMismatchError:
