@@ -219,14 +219,22 @@ def _root_of_several_worker():
     model(*_tokens(0, dist.get_rank()))
 
 
-def test_a_unit_of_several_modules_without_a_root_is_named():
+def _every_rank_raises(worker, *needles: str) -> None:
     with pytest.raises(RanksFailed) as info:
-        get_pool(2).run(_root_of_several_worker)
+        get_pool(2).run(worker)
+    assert sorted(info.value.errors) == [0, 1]
     for exc in info.value.errors.values():
         assert isinstance(exc, ValueError)
-        assert "the unit of modules [LayerNorm, Linear] ran (or was used: " in str(exc)
-        assert "before the model's first forward" in str(exc)
-        assert "call fully_shard on the model too, after its blocks, if you have not" in str(exc)
+        assert all(needle in str(exc) for needle in needles), str(exc)
+
+
+def test_a_unit_of_several_modules_without_a_root_is_named():
+    _every_rank_raises(
+        _root_of_several_worker,
+        "the unit of modules [LayerNorm, Linear] ran (or was used: ",
+        "before the model's first forward",
+        "call fully_shard on the model too, after its blocks, if you have not",
+    )
 
 
 def _outside_the_root_worker():
@@ -238,11 +246,7 @@ def _outside_the_root_worker():
 
 
 def test_a_unit_with_a_module_outside_the_model_is_named():
-    with pytest.raises(RanksFailed) as info:
-        get_pool(2).run(_outside_the_root_worker)
-    for exc in info.value.errors.values():
-        assert isinstance(exc, ValueError)
-        assert "has ['Linear'] outside the root model" in str(exc), str(exc)
+    _every_rank_raises(_outside_the_root_worker, "has ['Linear'] outside the root model")
 
 
 def test_bad_lists_are_named_before_anything_is_sharded():

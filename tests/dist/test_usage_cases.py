@@ -1133,6 +1133,10 @@ def _keep_after_backward_worker(reshard_after_forward: bool):
         reshard_after_forward=reshard_after_forward,
     )
     optims = _sgd(ddp, model)
+    with pytest.raises(TypeError, match=r"set_reshard_after_backward: reshard_after_backward must be a bool, got 0"):
+        fshard.set_reshard_after_backward(model, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"set_reshard_after_backward: Linear has no fshard units"):
+        fshard.set_reshard_after_backward(nn.Linear(2, 2), False)
     fshard.set_reshard_after_backward(model, False)
     base = fshard.memory_stats().gathered_bytes  # (what earlier tasks in this rank left)
     gathers, kept = [], []
