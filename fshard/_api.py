@@ -23,6 +23,7 @@ from fshard._hooks import (
     check_prefetch_alike,
     check_prefetch_targets,
     ensure_root_initialised,
+    hook_forward_method,
     register_unit,
     unit_of,
     units_or_error,
@@ -38,6 +39,7 @@ __all__ = [
     "fully_shard",
     "no_sync",
     "set_requires_gradient_sync",
+    "register_forward_method",
     "unshard",
     "reshard",
     "UnshardHandle",
@@ -500,6 +502,57 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
         group.reshard_after_backward = reshard_after_backward
         if reshard_after_backward and group.is_hidden() and group.training_state is TrainingState.IDLE:
             group.reshard()  # kept from a backward: freed now
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run as a forward of ``module``'s unit: called from
+    outside the unit's forward it gathers the parameters first and frees them after (or
+    keeps them for the backward, as a forward would), so that methods other than ``forward``
+    that read the unit's parameters (``generate``, ``encode``, a loss method) compute with the
+    full parameters rather than this rank's shards. Called inside the unit's forward, it runs
+    as it is. FSDP2's ``register_fsdp_forward_method``.
+
+    ``module`` must be a module that ``fshard.fully_shard`` was called on (the root, for a
+    method of the model). A method of the root that calls the model itself (generate's
+    decoding steps) runs those calls inside the one forward it began: the root is gathered
+    once for the whole method. Every rank must call the method (it is a forward: a
+    collective). Registering the same method again does nothing.
+
+    Example:
+        >>> fshard.fully_shard(model)                           # doctest: +SKIP
+        >>> fshard.register_forward_method(model, "generate")  # doctest: +SKIP
+        >>> with torch.no_grad():                              # doctest: +SKIP
+        ...     tokens = model.generate(prompt, max_new_tokens=20)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_forward_method expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(method_name, str):
+        name = getattr(method_name, "__name__", None) if callable(method_name) else None
+        hint = f": pass its name, {name!r}" if isinstance(name, str) else ""
+        raise TypeError(
+            f"register_forward_method: method_name must be the method's name as a str, got "
+            f"{method_name!r}{hint}"
+        )
+    group = unit_of(module)
+    if group is None:
+        raise ValueError(
+            f"register_forward_method: {type(module).__name__} is not an fshard unit: call "
+            f"fshard.fully_shard on it first (for a method of the model: on the model, the root), "
+            "then register its methods"
+        )
+    if method_name == "forward":
+        raise ValueError(
+            f"register_forward_method: {type(module).__name__}.forward already runs as the unit's "
+            "forward; register other methods (generate, encode, ...)"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method) or isinstance(method, nn.Module):
+        what = "has no attribute" if method is None else f"has {type(method).__name__}"
+        raise ValueError(
+            f"register_forward_method: {type(module).__name__} {what} {method_name!r}, not a "
+            "method: name a method of the module"
+        )
+    hook_forward_method(group, module, method_name)
 
 
 class UnshardHandle:

@@ -172,6 +172,9 @@ class ParamGroup:
         # the outer ones' passed inputs, set aside meanwhile.
         self.forward_depth = 0
         self.outer_passed: list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None] = []
+        # Set when a nested call (one inside another) returned, for the forward hook that runs
+        # even when a forward raised: that call did not (see _hooks._after_forward).
+        self.nested_returned = False
         self.forward_mark = -1  # the model forward (RootState.forwards) it last started in
         self.mesh_info = mesh_info
         self.reshard_after_forward = reshard_after_forward

@@ -460,6 +460,9 @@ def hook_containers(group: ParamGroup) -> None:
                 module.register_forward_hook(
                     _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
                 )
+                module.register_forward_hook(
+                    _UncompiledUnitHook(_container_after_forward, group), always_call=True
+                )
             continue
         children = list(module.children())
         if _CONTAINER_ATTR not in module.__dict__ and any(
@@ -471,6 +474,9 @@ def hook_containers(group: ParamGroup) -> None:
             )
             module.register_forward_hook(
                 _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
+            )
+            module.register_forward_hook(
+                _UncompiledUnitHook(_container_after_forward, group), always_call=True
             )
         stack.extend(children)
 
@@ -491,7 +497,11 @@ def _after_forward(group: ParamGroup, module: nn.Module, args: Any, output: Any)
     their shards again before an optimizer step, a state dict or a checkpoint load."""
     root = group.root
     if isinstance(root, RootState) and root.root is group and group.training_state is TrainingState.FORWARD:
-        if not in_backward():
+        if group.nested_returned:
+            # The root's forward called inside a method of the root that runs as its forward
+            # (fshard.register_forward_method: generate's steps): the method goes on.
+            group.nested_returned = False
+        elif not in_backward():
             root.recover_from_aborted_forward()
 
 
@@ -512,6 +522,69 @@ def _container_post_forward(
         return None
     group.outside_calls.pop()
     return _post_forward(group, module, args, kwargs, output)
+
+
+def _container_after_forward(group: ParamGroup, module: nn.Module, args: Any, output: Any) -> None:
+    """Runs even when the call raised: a call run as the unit's forward that raised (its post
+    hook did not run) leaves the unit mid-forward; free what the model holds gathered, as
+    after a model forward that raised (see _after_forward)."""
+    if not group.outside_calls or group.outside_calls[-1] is not module:
+        return  # (a call that returned: its post hook took it off)
+    group.outside_calls.pop()
+    root = group.root
+    if isinstance(root, RootState) and not in_backward() and (
+        root.root is group or root.root.training_state is not TrainingState.FORWARD
+    ):
+        root.recover_from_aborted_forward()  # (else the model's forward raises, and recovers)
+
+
+# [Note: methods that run as a forward]
+# fshard gathers a unit when its module is called. A method other than forward that reads the
+# unit's parameters (generate, encode, a loss method) computes with the shards, and fails
+# with a shape error deep inside torch. fshard.register_forward_method(module, name) puts a
+# wrapper in the module's __dict__ that, outside the unit's forward, runs the call as one: the
+# same hooks as a container's call (see [Note: calls into a unit from outside its forward]).
+# A root whose method calls the root itself (generate's steps) runs those calls as nested
+# forwards of the one the method began (see _pre_forward).
+_METHODS_ATTR = "_fshard_forward_methods"
+
+
+def hook_forward_method(group: ParamGroup, module: nn.Module, name: str) -> None:
+    """Make ``module.<name>(...)`` run as a forward of ``group`` (idempotent)."""
+    hooked = module.__dict__.setdefault(_METHODS_ATTR, set())
+    if name in hooked:
+        return
+    original = getattr(module, name)
+    ref = weakref.ref(group)
+
+    @functools.wraps(original)
+    def run_as_forward(*args: Any, **kwargs: Any) -> Any:
+        unit = ref()
+        if unit is None or unit.training_state is not TrainingState.IDLE:
+            return original(*args, **kwargs)  # inside the unit's forward or backward
+        outside = not in_backward()
+        changed = _method_pre_forward(unit, module, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        try:
+            output = original(*args, **kwargs)
+        except BaseException:
+            if outside:
+                _method_failed(unit, module, args, None)
+            raise
+        if not outside:
+            return output
+        result = _method_post_forward(unit, module, args, kwargs, output)
+        return output if result is None else result
+
+    module.__dict__[name] = run_as_forward
+    hooked.add(name)
+
+
+# (Eager under torch.compile, as the hooks are: see _UncompiledUnitHook.)
+_method_pre_forward = torch.compiler.disable(_container_pre_forward)
+_method_post_forward = torch.compiler.disable(_container_post_forward)
+_method_failed = torch.compiler.disable(_container_after_forward)
 
 
 _HOOKED_ATTR = "_fshard_state_dict_hooked"
@@ -1026,6 +1099,7 @@ class RootState:
         has a backward to come: their forwards produced no output."""
         for group in self.groups:
             group.outside_calls.clear()
+            group.nested_returned = False
             group.modules_to_run.clear()
             group.deferred_reshard = False
             group.forward_depth = 0
@@ -1247,7 +1321,11 @@ def _pre_forward(
                 group.consume_segment()
                 return wrapped
         return args, kwargs
-    if root.root is group:
+    if root.root is group and not (
+        group.training_state is TrainingState.FORWARD and group.forward_depth > 0
+    ):
+        # (Not for the root's forward inside a method of the root that runs as its forward:
+        # see register_forward_method.)
         root.on_root_pre_forward()
     if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
         group.reset_backward()  # the first forward since the last backward
@@ -1462,6 +1540,7 @@ def _post_forward(
     if nested:
         # The outer module's forward goes on with the unit gathered and its passed inputs.
         group.passed_inputs = group.outer_passed.pop() if group.outer_passed else None
+        group.nested_returned = True
         return output
     if not grad_enabled or not keep:
         if group.modules_to_run and root.root.training_state is TrainingState.FORWARD:
