@@ -19,9 +19,11 @@ from fshard._api import (
     register_forward_method,
     reset_peak_memory_stats,
     reshard,
+    set_gradient_divide_factor,
     set_prefetch,
     set_requires_gradient_sync,
     set_reshard_after_backward,
+    set_reshard_after_forward,
     unshard,
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
@@ -54,7 +56,9 @@ __all__ = [
     "no_sync",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
+    "set_reshard_after_forward",
     "register_forward_method",
+    "set_gradient_divide_factor",
     "unshard",
     "reshard",
     "UnshardHandle",

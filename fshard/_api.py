@@ -40,6 +40,8 @@ __all__ = [
     "no_sync",
     "set_requires_gradient_sync",
     "register_forward_method",
+    "set_gradient_divide_factor",
+    "set_reshard_after_forward",
     "unshard",
     "reshard",
     "UnshardHandle",
@@ -502,6 +504,61 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
         group.reshard_after_backward = reshard_after_backward
         if reshard_after_backward and group.is_hidden() and group.training_state is TrainingState.IDLE:
             group.reshard()  # kept from a backward: freed now
+
+
+def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool) -> None:
+    """Change ``reshard_after_forward`` of every unit in ``module`` after ``fully_shard``: from
+    the next forward on, each frees its gathered parameters after its forward (``True``) and
+    gathers them again for its backward, or keeps them until its backward (``False``). Every
+    rank must set the same. FSDP2's ``module.set_reshard_after_forward(flag)``.
+
+    Keeping them costs memory for the whole forward and saves an all-gather per unit in
+    backward: worth it for the last micro-batches of a step, or for a forward with a short
+    backward. The root's parameters are kept either way (its backward starts first).
+
+    Example:
+        >>> fshard.set_reshard_after_forward(model, False)  # ZeRO-2 for this step  # doctest: +SKIP
+        >>> model(x).sum().backward()                       # doctest: +SKIP
+        >>> fshard.set_reshard_after_forward(model, True)   # doctest: +SKIP
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"set_reshard_after_forward: reshard_after_forward must be a bool, got "
+            f"{reshard_after_forward!r}"
+        )
+    for group in units_or_error(module, "set_reshard_after_forward"):
+        group.reshard_after_forward = reshard_after_forward
+
+
+def set_gradient_divide_factor(module: nn.Module, factor: float | None) -> None:
+    """Divide the gradients' sum over the data-parallel ranks by ``factor`` instead of their
+    number, for the units in ``module``: ``factor=1.0`` gives the sum, ``None`` (the default)
+    the average, as DDP. Every rank must set the same factor.
+
+    For a loss that is already normalised globally (summed over tokens and divided by the
+    global token count, as FSDP2 users do with ``set_gradient_divide_factor(1.0)``), or a
+    gradient scale of your own. FSDP2's ``module.set_gradient_divide_factor(factor)``, which
+    sets it for that module's unit only; here every unit under ``module`` gets it (pass a
+    unit's module to set one). With half-precision reductions part of the division still
+    happens before the sum (by a power of two depending on the number of ranks, not on
+    ``factor``), so a sum does not overflow where the average would not.
+
+    Example:
+        >>> fshard.set_gradient_divide_factor(model, 1.0)  # doctest: +SKIP
+        >>> (loss_sum / global_tokens).backward()          # doctest: +SKIP
+    """
+    if factor is not None and (
+        isinstance(factor, bool)
+        or not isinstance(factor, (int, float))
+        or not math.isfinite(factor)
+        or factor <= 0
+    ):
+        raise ValueError(
+            f"set_gradient_divide_factor: factor must be a positive finite number (or None for "
+            f"the average over ranks), got {factor!r}"
+        )
+    for group in units_or_error(module, "set_gradient_divide_factor"):
+        group.gradient_divide_factor = None if factor is None else float(factor)
 
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:

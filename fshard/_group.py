@@ -116,7 +116,7 @@ class PendingReduce:
             self.work = None
             output = self.output
             if self.post_divide != 1.0:
-                output.div_(self.post_divide)
+                output[: self.offsets[-1]].div_(self.post_divide)  # (not the flags)
             follow_up = self.group.land_reduced(
                 self.bucket_index, _Reduced(self.slots, self.offsets, self.present, output)
             )
@@ -192,6 +192,9 @@ class ParamGroup:
         # False (set_reshard_after_backward): the gathered params outlive the backward, hidden,
         # and the next forward uses them if the shards did not change since (no all-gather).
         self.reshard_after_backward = True
+        # The sum over data-parallel ranks is divided by this (None: their number, the average,
+        # as DDP); set by set_gradient_divide_factor.
+        self.gradient_divide_factor: float | None = None
         self.reduce_scatter_while_accumulating = False
         self._pending_gather: list[tuple[FlatBucket, dist.Work | None, torch.Tensor]] = []
         # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
@@ -935,9 +938,10 @@ class ParamGroup:
         with phase(f"fshard::reduce_scatter_input({self.trace_name})"):
             reduce_input = torch.empty((size, total), dtype=reduce_dtype, device=info.device)
             chunk_cat(inputs, size, reduce_input)
-            pre, post = divide_factors(info.dp_size, reduce_dtype)
+            pre, post = divide_factors(info.dp_size, reduce_dtype, self.gradient_divide_factor)
             if pre != 1.0:
-                reduce_input.div_(pre)
+                # (Not the flags, which stay counts: a large divide factor would round them to 0.)
+                reduce_input[:, : offsets[-1]].div_(pre)
         if size == 1:
             return PendingReduce(
                 self, index, slots, offsets, present, reduce_input.view(-1), None, post
@@ -1091,7 +1095,7 @@ class _SegmentClaim:
 
 class _Reduced(NamedTuple):
     """A bucket's reduced gradient chunk: ``output[offsets[i]:]`` belongs to ``slots[i]``, and
-    ``output[offsets[-1] + i]`` counts the ranks (scaled) where ``slots[i]`` got a gradient."""
+    ``output[offsets[-1] + i]`` counts the ranks where ``slots[i]`` got a gradient."""
 
     slots: list[ParamSlot]
     offsets: list[int]

@@ -92,8 +92,11 @@ def shard_layout(full_shape: torch.Size | tuple[int, ...], shard_size: int, shar
     )
 
 
-def divide_factors(dp_size: int, dtype: torch.dtype) -> tuple[float, float]:
-    """Gradient divide factors ``(pre, post)`` with ``pre * post == dp_size``.
+def divide_factors(
+    dp_size: int, dtype: torch.dtype, factor: float | None = None
+) -> tuple[float, float]:
+    """Gradient divide factors ``(pre, post)`` with ``pre * post == factor`` (by default
+    ``dp_size``: the average).
 
     Gradients are averaged like DDP with a SUM reduction every backend supports: divide by
     ``pre`` before the reduction and by ``post`` after it. Full precision divides everything
@@ -112,12 +115,21 @@ def divide_factors(dp_size: int, dtype: torch.dtype) -> tuple[float, float]:
         (4.0, 2.0)
         >>> divide_factors(6, torch.float16)
         (4.0, 1.5)
+
+    Another ``factor`` (``fshard.set_gradient_divide_factor``) keeps the half-precision ``pre``,
+    which depends on how many values are summed, and changes ``post``:
+
+        >>> divide_factors(8, torch.bfloat16, factor=1.0)  # the sum
+        (4.0, 0.25)
+        >>> divide_factors(8, torch.float32, factor=2.0)
+        (2.0, 1.0)
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    total = float(dp_size) if factor is None else float(factor)
     if dtype not in (torch.float16, torch.bfloat16):
-        return float(dp_size), 1.0
+        return total, 1.0
     pre = 1
     while pre * pre < dp_size:
         pre *= 2
-    return float(pre), dp_size / pre
+    return float(pre), total / pre

@@ -83,3 +83,15 @@ def test_divide_factors_average(n: int, dtype: torch.dtype) -> None:
         assert (pre, post) == (n, 1)
     else:  # a power of two dividing first, no smaller than what is left to divide after
         assert pre == 2 ** math.ceil(math.log2(n) / 2) and pre >= post > pre / 4
+
+
+@given(
+    n=st.integers(1, 1024),
+    factor=st.floats(1e-3, 1e30),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+)
+def test_divide_factors_of_another_factor(n: int, factor: float, dtype: torch.dtype) -> None:
+    pre, post = divide_factors(n, dtype, factor)
+    assert math.isclose(pre * post, factor, rel_tol=1e-12)
+    # The half-precision division before the sum depends on the number of ranks alone.
+    assert pre == (factor if dtype in (torch.float32, torch.float64) else divide_factors(n, dtype)[0])
