@@ -19,6 +19,9 @@ Variants (``--variants`` picks a subset, comma separated):
 - ``fshard``: ``fshard.fully_shard`` on every block, then the root (default prefetch).
 - ``fshard-noprefetch``: the same with ``set_prefetch(model, forward=False, backward="NO_PREFETCH")``.
 - ``fshard-zero2``: the same with ``reshard_after_forward=False`` (ZeRO-2 / SHARD_GRAD_OP).
+- ``fshard-int``: the same with ``reshard_after_forward=S // 2`` on the blocks (S: the shard
+  dimension's size): each block keeps half of its parameters from forward to backward, gathered
+  back over S / 2 ranks (with S = 2 that is 1: ZeRO-2).
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then the root.
 
 On a 2D mesh (``--mesh RxS``) the sharded variants are hybrid (replicate over R, shard over S);
@@ -75,7 +78,7 @@ from fshard.testing import CollectiveRecord, trace_collectives
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT, GPTConfig, parse_mesh, pick_device, synthetic_batch
 
-VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fsdp2")
+VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fshard-int", "fsdp2")
 MiB = 1 << 20
 
 
@@ -108,8 +111,11 @@ def build_variant(
         )
     elif is_fshard:
         reshard = name != "fshard-zero2"
+        blocks: bool | int = reshard
+        if name == "fshard-int":
+            blocks = max(1, mesh.size(mesh.ndim - 1) // 2)
         for block in model.blocks:
-            fshard.fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fshard.fully_shard(block, mesh=mesh, reshard_after_forward=blocks)
         fshard.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         if name == "fshard-noprefetch":
             fshard.set_prefetch(model, forward=False, backward="NO_PREFETCH")

@@ -80,7 +80,7 @@ def fully_shard(
     module: M,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -92,7 +92,7 @@ def fully_shard(
     module: list[M],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -103,7 +103,7 @@ def fully_shard(
     module: M | list[M],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -141,7 +141,9 @@ def fully_shard(
             mesh over the default process group (cuda if available and the group's backend
             runs on it, e.g. NCCL; else cpu).
         reshard_after_forward: free gathered parameters after forward (``True``) or keep them
-            until backward (``False``).
+            until backward (``False``); an int ``N`` dividing the size of the mesh's shard
+            dimension keeps 1/N of them, shared by N consecutive ranks (one host's), so that
+            the backward all-gathers over those N ranks only (FSDP2's int).
         mp_policy: a ``MixedPrecision`` policy for this unit.
         offload_policy: ``CPUOffload()`` to keep shards and gradients in CPU memory.
         ignored_params: parameters to leave alone (not sharded, gradients not reduced).
@@ -157,8 +159,11 @@ def fully_shard(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
     """
     modules, where = _unit_modules(module)
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"{where}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"{where}: reshard_after_forward must be a bool, or an int (the number of ranks to "
+            f"reshard to after forward), got {reshard_after_forward!r}"
+        )
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"{where}: mp_policy must be fshard.MixedPrecision or None, got {mp_policy!r}")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffload):
@@ -173,6 +178,7 @@ def fully_shard(
                 "call fully_shard once per module"
             )
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
+    reshard_after_forward = _post_forward_setting(reshard_after_forward, info, where)
     ignored_list = ignored_param_list(ignored_params, where)
     ignored = {id(p) for p in ignored_list}
 
@@ -283,6 +289,24 @@ def fully_shard(
                     sub._buffers[attr] = buffer.to(info.device)
     register_unit(group)
     return module
+
+
+def _post_forward_setting(value: bool | int, info: MeshInfo, where: str) -> bool | int:
+    """``reshard_after_forward`` checked against the mesh: a bool, or an int dividing the shard
+    dimension's size (its size is ``True``, 1 is ``False``)."""
+    if isinstance(value, bool):
+        return value
+    size = info.shard_size
+    if value < 1 or size % value:
+        choices = [d for d in range(2, size) if size % d == 0]
+        among = f"{', '.join(map(str, choices))}, " if choices else ""
+        raise ValueError(
+            f"{where}: reshard_after_forward={value} must divide the size of the mesh's shard "
+            f"dimension ({size} ranks): the parameters are resharded to that many ranks after "
+            f"forward. Use one of {among}{size} (True: all of them) or 1 (False: keep them "
+            "gathered)"
+        )
+    return True if value == size else False if value == 1 else value
 
 
 def _unit_modules(module: object) -> tuple[list[nn.Module], str]:
@@ -480,9 +504,11 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
     once: in the first micro-batch's forward. A synchronised backward (the last micro-batch,
     or any step without ``no_sync``) frees them as usual, so the forward after an optimizer
     step always gathers the new values (fused optimizers and ``p.data`` edits change the shards
-    without a trace fshard could check). Edits of the shards between micro-batches through
-    the parameters (``p.to_local().mul_(...)``, a state dict load, ``p.data = ...``) are seen,
-    and the next forward gathers afresh. The price is memory: every unit that ran stays
+    without a trace fshard could check), and an ``optimizer.step()`` between micro-batches
+    frees the kept units whose parameters it updates. Edits of the shards between
+    micro-batches through the parameters (``p.to_local().mul_(...)``, a state dict load,
+    ``p.data = ...``) are seen, and the next forward gathers afresh; in-place writes to
+    ``p.data`` (``p.data.mul_(...)``) are not. The price is memory: every unit that ran stays
     gathered through the accumulation. What FSDP2's ``module.set_reshard_after_backward(False)``
     is used for; ``fshard.reshard(model)`` frees them.
 
@@ -506,7 +532,7 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
             group.reshard()  # kept from a backward: freed now
 
 
-def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool) -> None:
+def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool | int) -> None:
     """Change ``reshard_after_forward`` of every unit in ``module`` after ``fully_shard``: from
     the next forward on, each frees its gathered parameters after its forward (``True``) and
     gathers them again for its backward, or keeps them until its backward (``False``). Every
@@ -514,20 +540,24 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool) ->
 
     Keeping them costs memory for the whole forward and saves an all-gather per unit in
     backward: worth it for the last micro-batches of a step, or for a forward with a short
-    backward. The root's parameters are kept either way (its backward starts first).
+    backward. The root's parameters are kept either way (its backward starts first). An int
+    reshards to that many ranks, as ``fully_shard``'s does.
 
     Example:
         >>> fshard.set_reshard_after_forward(model, False)  # ZeRO-2 for this step  # doctest: +SKIP
         >>> model(x).sum().backward()                       # doctest: +SKIP
         >>> fshard.set_reshard_after_forward(model, True)   # doctest: +SKIP
     """
-    if not isinstance(reshard_after_forward, bool):
+    where = "set_reshard_after_forward"
+    if not isinstance(reshard_after_forward, int):
         raise TypeError(
-            f"set_reshard_after_forward: reshard_after_forward must be a bool, got "
-            f"{reshard_after_forward!r}"
+            f"{where}: reshard_after_forward must be a bool, or an int (the number of ranks to "
+            f"reshard to after forward), got {reshard_after_forward!r}"
         )
-    for group in units_or_error(module, "set_reshard_after_forward"):
-        group.reshard_after_forward = reshard_after_forward
+    groups = units_or_error(module, where)
+    settings = [_post_forward_setting(reshard_after_forward, g.mesh_info, where) for g in groups]
+    for group, setting in zip(groups, settings, strict=True):
+        group.reshard_after_forward = setting
 
 
 def set_gradient_divide_factor(module: nn.Module, factor: float | None) -> None:

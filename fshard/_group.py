@@ -51,6 +51,7 @@ from torch import nn
 
 from fshard import _collectives
 from fshard._errors import first_few, internal_error
+from fshard._mesh import PostForwardGroup, post_forward_group
 from fshard._options import BackwardPrefetch
 from fshard._param import GATHERED, FlatBucket, ParamSlot, chunk_cat
 from fshard._placement import divide_factors
@@ -144,6 +145,30 @@ class PendingAllReduce:
         self.reduced.assign()
 
 
+# [Note: resharding to a smaller group after forward]
+# With ``reshard_after_forward=N`` (an int dividing the shard dimension's size S), a forward with
+# grad ends by keeping 1/N of the gathered parameters rather than none (True) or all (False):
+# the N consecutive ranks of the shard group around this rank share them, each keeping the
+# rows of S/N of the S shards, and the backward all-gathers them over those N ranks only (one
+# host's, on a multi-host job) instead of over S. Rank p of the N keeps block p: rows
+# [p * S/N, (p + 1) * S/N) of every parameter's rank-major gathered buffer, slot after slot, so
+# that the N blocks gathered rank-major are that buffer again, cut in N. The rows are the
+# values the forward gathered (the backward must see those), valid while the shards' version
+# counters are unchanged; any other freeing of the unit drops them, and so does the next
+# model forward (an optimizer step may have changed the shards meanwhile).
+class _KeptRows(NamedTuple):
+    target: PostForwardGroup
+    rows: list[torch.Tensor | None]  # per bucket (None: aliased, nothing gathered)
+    versions: tuple[int, ...]  # the shards' version counters when the forward gathered
+    nbytes: int
+
+
+# Units holding gathered parameters kept from a backward without gradient sync
+# (set_reshard_after_backward(False)): an optimizer step over their parameters frees them first
+# (see _hooks._free_kept_before_step).
+KEPT_AFTER_BACKWARD: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
+
+
 class ParamGroup:
     """The state of one unit: its parameters, their flat buckets and the unit's state machine."""
 
@@ -153,7 +178,7 @@ class ParamGroup:
         slots: list[ParamSlot],
         mesh_info: MeshInfo,
         *,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
         mp_policy: MixedPrecision | None,
         offload_policy: CPUOffload | None,
         locals_: list[torch.Tensor],
@@ -196,7 +221,8 @@ class ParamGroup:
         # as DDP); set by set_gradient_divide_factor.
         self.gradient_divide_factor: float | None = None
         self.reduce_scatter_while_accumulating = False
-        self._pending_gather: list[tuple[FlatBucket, dist.Work | None, torch.Tensor]] = []
+        # (bucket, work, output, parts): parts > 0 for a gather of kept rows (see the Note).
+        self._pending_gather: list[tuple[FlatBucket, dist.Work | None, torch.Tensor, int]] = []
         # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
         # (passed, what the unit was given), to hand back the latter if the unit returns one.
         self.passed_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -207,6 +233,9 @@ class ParamGroup:
         # model dropped after a forward raised) takes them out of the gathered-bytes count.
         self._in_flight_bytes = [0]
         weakref.finalize(self, _forget_in_flight, self._in_flight_bytes)
+        self._kept_rows: _KeptRows | None = None  # see [Note: resharding to a smaller group ...]
+        self._kept_bytes = [0]
+        weakref.finalize(self, _forget_in_flight, self._kept_bytes)
         self.root: object | None = None  # the RootState of the tree, set at root init
         # set_prefetch overrides; None means the recorded order decides.
         self.explicit_forward_prefetch: list[ParamGroup] | None = None
@@ -383,16 +412,33 @@ class ParamGroup:
             self.wait_for_unshard()  # prefetched: wait for it; kept but hidden: show it again
         if self.sharded_state is not ShardedState.SHARDED:
             return
+        kept = self._kept_rows
+        if kept is not None and (
+            kept.versions != self._shard_versions() or not all(b.is_packed() for b in self.buckets)
+        ):
+            self.drop_kept_rows()  # the shards changed since: gather them
+            kept = None
         self.ensure_packed()
         with phase(f"fshard::unshard({self.trace_name})"):
-            pending: list[tuple[FlatBucket, dist.Work | None, torch.Tensor]] = []
-            for bucket in self.buckets:
+            pending: list[tuple[FlatBucket, dist.Work | None, torch.Tensor, int]] = []
+            for index, bucket in enumerate(self.buckets):
                 if bucket.aliased:
+                    continue
+                rows = kept.rows[index] if kept is not None else None
+                if kept is not None and rows is not None:
+                    output = torch.empty(kept.target.size * rows.numel(), dtype=rows.dtype, device=rows.device)
+                    nbytes = output.numel() * output.element_size()
+                    GATHERED.add(nbytes)
+                    self._in_flight_bytes[0] += nbytes
+                    work = _collectives.all_gather_into(
+                        output, rows, kept.target.group, label=self.trace_name, async_op=async_op
+                    )
+                    pending.append((bucket, work, output, kept.target.size))
                     continue
                 all_gather_input = bucket.all_gather_input()
                 size = self.mesh_info.shard_size
                 if size == 1:
-                    pending.append((bucket, None, all_gather_input))
+                    pending.append((bucket, None, all_gather_input, 0))
                     continue
                 all_gather_output = torch.empty(
                     size * bucket.total, dtype=all_gather_input.dtype, device=all_gather_input.device
@@ -407,9 +453,10 @@ class ParamGroup:
                     label=self.trace_name,
                     async_op=async_op,
                 )
-                pending.append((bucket, work, all_gather_output))
+                pending.append((bucket, work, all_gather_output, 0))
             self._pending_gather = pending
-            self._versions_at_gather = self._shard_versions()  # what the gather reads
+            # What the gather reads: the shards, or rows kept from when the forward read them.
+            self._versions_at_gather = kept.versions if kept is not None else self._shard_versions()
             self.sharded_state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -423,17 +470,21 @@ class ParamGroup:
         if self.sharded_state is not ShardedState.UNSHARDING:
             raise internal_error(f"wait_for_unshard on unit {self.label} that is sharded")
         with phase(f"fshard::copy_out({self.trace_name})"):
-            for bucket, work, all_gather_output in self._pending_gather:
+            from_kept = False
+            for bucket, work, all_gather_output, parts in self._pending_gather:
                 _collectives.wait(work, op="all_gather", label=self.trace_name)
                 # Allocated only now: a prefetched unit holds the all-gather output alone
                 # while its gather is in flight, not that and its unsharded params.
                 bucket.alloc_unsharded()
-                bucket.copy_out(all_gather_output)
+                bucket.copy_out(all_gather_output, parts)
+                from_kept = from_kept or parts > 0
                 if self.mesh_info.shard_size > 1:  # size 1 gathers nothing: no output buffer
                     nbytes = all_gather_output.numel() * all_gather_output.element_size()
                     GATHERED.sub(nbytes)
                     self._in_flight_bytes[0] -= nbytes
             self._pending_gather = []
+            if from_kept:
+                self.drop_kept_rows()  # gathered again: the full params hold them now
             self._register_unsharded()
             self._note_gathered_versions()
         self.sharded_state = ShardedState.UNSHARDED
@@ -569,10 +620,48 @@ class ParamGroup:
                 slot.use_sharded()
             self.unsharded_registered = False
 
-    def reshard(self) -> None:
-        """UNSHARDED -> SHARDED: swap the shards back in and free the gathered storage."""
+    @property
+    def post_forward_size(self) -> int:
+        """The ranks to reshard to after a forward with grad: ``reshard_after_forward``'s int
+        (0 for a bool). See [Note: resharding to a smaller group after forward]."""
+        value = self.reshard_after_forward
+        return 0 if isinstance(value, bool) else value
+
+    def holds_kept_rows(self) -> bool:
+        return self._kept_rows is not None
+
+    def reshard_post_forward(self) -> None:
+        """After a forward with grad: free the gathered params but keep this rank's block of
+        their rows for the backward's all-gather over ``post_forward_size`` ranks."""
         if self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
+        self.drop_kept_rows()
+        if self.sharded_state is not ShardedState.UNSHARDED or any(b.aliased for b in self.buckets):
+            self.reshard()
+            return
+        target = post_forward_group(self.mesh_info, self.post_forward_size)
+        rows: list[torch.Tensor | None] = [
+            None if b.aliased else b.post_forward_rows(target.rank, target.size) for b in self.buckets
+        ]
+        versions = self._versions_at_gather or self._shard_versions()
+        self.reshard()
+        nbytes = sum(r.numel() * r.element_size() for r in rows if r is not None)
+        GATHERED.add(nbytes)
+        self._kept_bytes[0] = nbytes
+        self._kept_rows = _KeptRows(target, rows, versions, nbytes)
+
+    def drop_kept_rows(self) -> None:
+        kept, self._kept_rows = self._kept_rows, None
+        if kept is not None:
+            GATHERED.sub(kept.nbytes)
+            self._kept_bytes[0] = 0
+
+    def reshard(self) -> None:
+        """UNSHARDED -> SHARDED: swap the shards back in and free the gathered storage (and
+        any rows kept from a forward: see [Note: resharding to a smaller group after forward])."""
+        if self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        self.drop_kept_rows()
         if self.sharded_state is ShardedState.SHARDED:
             return
         self._warn_on_dropped_edits()
@@ -664,6 +753,7 @@ class ParamGroup:
             and self.sharded_state is ShardedState.UNSHARDED
         ):
             self.hide_unsharded()
+            KEPT_AFTER_BACKWARD.add(self)
         else:
             self.reshard()
 

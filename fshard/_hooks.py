@@ -41,7 +41,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, first_few, internal_error
-from fshard._group import ParamGroup, PendingAllReduce, PendingReduce, ShardedState, TrainingState
+from fshard._group import (
+    KEPT_AFTER_BACKWARD,
+    ParamGroup,
+    PendingAllReduce,
+    PendingReduce,
+    ShardedState,
+    TrainingState,
+)
 from fshard._options import BackwardPrefetch
 from fshard._profiling import phase
 from fshard._sharded import is_sharded
@@ -116,6 +123,26 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             # Look again only after new units were made (its params may be sharded then).
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
     _check_step_sees_reduced_grads(optimizer, *args)
+    if KEPT_AFTER_BACKWARD:
+        _free_kept_before_step(optimizer)
+
+
+def _free_kept_before_step(optimizer: torch.optim.Optimizer) -> None:
+    """Free the units kept gathered from a backward without sync (set_reshard_after_backward)
+    whose parameters this step updates. Their next forward would reuse the copy while the
+    shards look unchanged, and a fused optimizer (or ``p.data`` writes) changes them without
+    bumping their version counters; a step between micro-batches (after a reduce-scattering
+    no_sync, whose ``.grad`` is final) must be seen, so it frees them. The same on every rank:
+    every rank steps alike."""
+    stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
+    for group in list(KEPT_AFTER_BACKWARD):
+        if not group.is_hidden():
+            KEPT_AFTER_BACKWARD.discard(group)  # freed or shown since
+        elif group.training_state is TrainingState.IDLE and any(
+            id(slot.sharded_param) in stepped for slot in group.slots
+        ):
+            group.reshard()
+            KEPT_AFTER_BACKWARD.discard(group)
 
 
 # [Note: plain optimizer state dicts of sharded parameters]
@@ -784,8 +811,10 @@ class RootState:
             # it depends on the forwards and backwards run, not on what changed.
             self.hidden_kept = False
             for group in self.groups:
-                if group.is_hidden() and group.training_state is TrainingState.IDLE:
-                    group.reshard()
+                if group.training_state is TrainingState.IDLE and (
+                    group.is_hidden() or group.holds_kept_rows()
+                ):
+                    group.reshard()  # (also the rows a reshard_after_forward=<int> unit kept)
         if torch.is_grad_enabled():
             self._grad_forward_pending = True
         if not self._recorded and torch.is_grad_enabled():
@@ -808,7 +837,11 @@ class RootState:
                 # (deferred_reshard: a unit of several modules, one of which did not run after
                 # the others, or ran again: freed now, as its last module would have; its
                 # backward gathers it again.)
-                group.reshard()
+                if group.deferred_reshard and not inference and group.post_forward_size:
+                    group.reshard_post_forward()
+                    self.hidden_kept = True
+                else:
+                    group.reshard()
             group.deferred_reshard = False
             group.modules_to_run.clear()
             if inference:
@@ -1548,6 +1581,10 @@ def _post_forward(
             # forward, stays gathered for them; if one does not run after all (or one runs
             # again), the end of the model's forward frees it.
             group.deferred_reshard = True
+        elif grad_enabled and group.post_forward_size:
+            group.reshard_post_forward()  # reshard_after_forward=<int>: keep 1/N for backward
+            group.deferred_reshard = False
+            root.hidden_kept = True  # (the next model forward drops what its backward did not use)
         else:
             group.reshard()
             group.deferred_reshard = False

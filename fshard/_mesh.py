@@ -18,7 +18,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["MeshInfo", "mesh_info", "default_device_type", "default_mesh", "mesh_device", "register_mesh_cache"]
+__all__ = [
+    "MeshInfo",
+    "PostForwardGroup",
+    "mesh_info",
+    "post_forward_group",
+    "default_device_type",
+    "default_mesh",
+    "mesh_device",
+    "register_mesh_cache",
+]
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -164,3 +173,41 @@ def default_mesh(where: str) -> DeviceMesh:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         _DEFAULT_MESHES[key] = mesh
     return mesh
+
+
+@dataclass(frozen=True)
+class PostForwardGroup:
+    """The ranks a unit with ``reshard_after_forward=<int>`` reshards to after forward."""
+
+    group: dist.ProcessGroup
+    size: int  # the int: how many ranks share the unit's parameters until its backward
+    rank: int  # this rank's place among them: the block of rows it keeps
+
+
+# Keyed by the default group (a new one after destroy/init) and the member ranks: one process
+# group per set of ranks, however many units and meshes use it.
+_POST_FORWARD_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
+_MESH_CACHES.append(_POST_FORWARD_GROUPS)  # type: ignore[arg-type]  # emptied at exit too
+
+
+def post_forward_group(info: MeshInfo, size: int) -> PostForwardGroup:
+    """The ``size`` consecutive ranks of ``info``'s shard group that include this rank
+    (consecutive ranks: one host's, where the backward's all-gather is cheapest), created on
+    first use by those ranks alone."""
+    group = info.shard_group
+    ranks = sorted(dist.get_process_group_ranks(group), key=lambda r: dist.get_group_rank(group, r))
+    start = info.shard_rank // size * size
+    members = tuple(ranks[start : start + size])
+    world = dist.group.WORLD
+    key = (id(world), members)
+    cached = _POST_FORWARD_GROUPS.get(key)
+    if cached is None or cached[0] is not world:
+        subgroup = dist.new_group(
+            list(members), use_local_synchronization=True, group_desc=f"fshard_post_forward_{size}"
+        )
+        if subgroup is None or subgroup == dist.GroupMember.NON_GROUP_MEMBER:
+            raise RuntimeError(f"fshard: could not create the post-forward group of ranks {list(members)}")
+        cached = (world, subgroup)
+        _POST_FORWARD_GROUPS[key] = cached
+    subgroup = cached[1]
+    return PostForwardGroup(group=subgroup, size=size, rank=dist.get_rank(subgroup))

@@ -311,15 +311,36 @@ class FlatBucket:
         GATHERED.sub(storage.nbytes())
         storage.resize_(0)
 
-    def copy_out(self, all_gather_output: torch.Tensor) -> None:
-        """Scatter the rank-major all-gather output into the unsharded buffers."""
+    def copy_out(self, all_gather_output: torch.Tensor, parts: int = 0) -> None:
+        """Scatter the rank-major all-gather output into the unsharded buffers; with ``parts``,
+        an all-gather of ``parts`` blocks of ``post_forward_rows`` (see [Note: resharding to
+        a smaller group after forward] in _group)."""
         size = self.mesh_info.shard_size
         outs = self._copy_out_views
+        if parts:
+            # Part i holds rows [i * size / parts, (i + 1) * size / parts) of every slot: the
+            # same memory as the slots' [size, numel] views, cut in ``parts`` rows.
+            rows = size // parts
+            outs = [view.view(parts, -1) for view in outs]
+            torch.split_with_sizes_copy(
+                all_gather_output.view(parts, rows * self.total),
+                [rows * n for n in self.slot_numels],
+                dim=1,
+                out=outs,
+            )
+            return
         if len(outs) == 1:
             outs[0].copy_(all_gather_output.view(size, -1))
             return
         torch.split_with_sizes_copy(
             all_gather_output.view(size, self.total), self.slot_numels, dim=1, out=outs
         )
+
+    def post_forward_rows(self, part: int, parts: int) -> torch.Tensor:
+        """Rows ``[part * size / parts, (part + 1) * size / parts)`` of every slot's gathered
+        buffer, slot after slot in a new 1D tensor: what this rank keeps after a forward that
+        reshards to ``parts`` ranks."""
+        rows = self.mesh_info.shard_size // parts
+        return torch.cat([view[part * rows : (part + 1) * rows].reshape(-1) for view in self._copy_out_views])
 
 

@@ -1,7 +1,7 @@
 """The core property: fshard trains exactly like DDP.
 
 Hypothesis draws the model (MLPs with corner cases, tiny transformers), the world size (1-4),
-the mesh (1D or 2D), reshard_after_forward, the optimizer, the number of steps and gradient
+the mesh (1D or 2D), reshard_after_forward (a bool or an int), the optimizer, the number of steps and gradient
 accumulation; every example runs on a persistent pool of gloo ranks next to real DDP.
 """
 
@@ -34,11 +34,15 @@ def cases(draw: st.DrawFn) -> dict:
     optimizer = draw(st.sampled_from(sorted(OPTIMIZERS)))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     spec: ModelSpec = draw(fst.model_specs(dtype=dtype))
+    mesh_shape = draw(fst.mesh_shapes(world_size=world_size))
+    shard = mesh_shape[-1]
+    # A bool, or an int dividing the shard dimension (resharding to that many ranks).
+    ints = [d for d in range(1, shard + 1) if shard % d == 0]
     return {
         "spec": spec,
         "world_size": world_size,
-        "mesh_shape": draw(fst.mesh_shapes(world_size=world_size)),
-        "reshard_after_forward": draw(st.booleans()),
+        "mesh_shape": mesh_shape,
+        "reshard_after_forward": draw(st.one_of(st.booleans(), st.sampled_from(ints))),
         "optimizer": optimizer,
         "steps": draw(st.integers(1, 3)),
         "grad_accum": draw(st.integers(1, 2)),

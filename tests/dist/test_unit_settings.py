@@ -132,8 +132,8 @@ def _reshard_after_forward_worker(mesh_shape: tuple[int, ...]) -> list[list[str]
             opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(TypeError, match=r"set_reshard_after_forward: reshard_after_forward must be a bool, got 1"):
-        fshard.set_reshard_after_forward(model, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"set_reshard_after_forward: reshard_after_forward must be a bool, or an int .*, got 'yes'"):
+        fshard.set_reshard_after_forward(model, "yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"set_reshard_after_forward: Linear has no fshard units"):
         fshard.set_reshard_after_forward(nn.Linear(2, 2), True)
     return backward_gathers
