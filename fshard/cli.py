@@ -80,14 +80,18 @@ default is the file's rdzv_backend, else c10d.
 _CONSOLIDATE_DESCRIPTION = """\
 Read the sharded checkpoint CKPT (written by fshard.checkpoint.save, at any world size or
 mesh shape) in this one process, without a process group, and write the full state dict
-to OUT as a .safetensors file (same keys as the unsharded model's state_dict()).
+to OUT (same keys as the unsharded model's state_dict()): a .safetensors file, or, if OUT
+ends in .pt, .pth or .bin, a torch.save file (for torch.load).
 """
 
 _CONSOLIDATE_EPILOG = """\
 example:
   fshard consolidate checkpoints/step_100 model.safetensors
   python -c "from safetensors.torch import load_file; print(list(load_file('model.safetensors')))"
+  fshard consolidate checkpoints/step_100 model.pt
 """
+
+_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
 _COMMANDS = ("launch", "consolidate")
 # Sub-commands that SPEC.md plans but this version does not have -> a pointer for now. They get
@@ -213,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     consolidate.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (fshard.checkpoint.save)")
-    consolidate.add_argument("output", metavar="OUT", help="the .safetensors file to write")
+    consolidate.add_argument(
+        "output", metavar="OUT", help="the file to write: .safetensors, or .pt / .pth / .bin (torch.save)"
+    )
     consolidate.add_argument(
         "--force", action="store_true", help="overwrite OUT if it exists"
     )
@@ -517,17 +523,23 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         _error(f"consolidate: {exc}{_newest_inside_hint(args.checkpoint)}")
         return 2
     tensors = _for_safetensors(full)
-    unstorable = _unstorable_in_safetensors(tensors)
+    as_torch = output.suffix.lower() in _TORCH_SAVE_SUFFIXES
+    unstorable = "" if as_torch else _unstorable_in_safetensors(tensors)
     if unstorable:
         _error(
-            f"consolidate: safetensors cannot store {unstorable}; consolidate in Python instead: "
-            "torch.save(fshard.checkpoint.consolidate(CKPT), 'model.pt')"
+            f"consolidate: safetensors cannot store {unstorable}; write a torch.save file "
+            f"instead: fshard consolidate CKPT {output.with_suffix('.pt').name}"
         )
         return 2
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(output), metadata={"format": "pt"})
-    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        if as_torch:
+            import torch
+
+            torch.save(tensors, output)
+        else:
+            save_file(tensors, str(output), metadata={"format": "pt"})
+    except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as exc:
         _error(f"consolidate: cannot write {str(output)!r}: {type(exc).__name__}: {exc}")
         return 2
     _chmod_like_a_new_file(output)

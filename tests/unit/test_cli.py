@@ -474,6 +474,12 @@ def test_consolidate_writes_safetensors(tmp_path: Path, monkeypatch: pytest.Monk
     for key, value in full.items():
         assert torch.equal(loaded[key], value)
     assert "wrote 3 tensors" in capsys.readouterr().out
+    # .pt / .pth / .bin: a torch.save file (torch.load reads it; safetensors would not).
+    for suffix in (".pt", ".PTH", ".bin"):
+        out = tmp_path / f"model{suffix}"
+        assert main(["consolidate", str(tmp_path), str(out)]) == 0
+        loaded = torch.load(out, weights_only=True)
+        assert set(loaded) == set(full) and all(torch.equal(loaded[k], v) for k, v in full.items())
 
 
 def test_python_dash_m_fshard() -> None:
