@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import inspect
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -603,7 +604,11 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     method of the model). A method of the root that calls the model itself (generate's
     decoding steps) runs those calls inside the one forward it began: the root is gathered
     once for the whole method. Every rank must call the method (it is a forward: a
-    collective). Registering the same method again does nothing.
+    collective). Registering the same method again does nothing (a method put in its place
+    since is wrapped in turn). Generator functions are refused: their body runs after the call
+    returns. Called with grad, a method whose model calls all run without grad (transformers'
+    ``generate`` is decorated with ``torch.no_grad``) and whose result requires no grad frees
+    the units, as a forward without grad does.
 
     Example:
         >>> fshard.fully_shard(model)                           # doctest: +SKIP
@@ -638,6 +643,13 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(
             f"register_forward_method: {type(module).__name__} {what} {method_name!r}, not a "
             "method: name a method of the module"
+        )
+    if inspect.isgeneratorfunction(method) or inspect.isasyncgenfunction(method):
+        raise ValueError(
+            f"register_forward_method: {type(module).__name__}.{method_name} is a generator "
+            "function: its body runs after the call returns, outside the forward the call ran "
+            "as, and would compute with this rank's shards. Register a method that returns its "
+            "result (one decoding step, say) and yield from a loop around it"
         )
     hook_forward_method(group, module, method_name)
 

@@ -61,6 +61,7 @@ __all__ = [
     "units_under",
     "units_or_error",
     "in_backward",
+    "on_any_rank",
 ]
 
 logger = logging.getLogger("fshard")
@@ -181,18 +182,43 @@ def _stamp_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
             saved[SHARDS_KEY] = shards
 
 
+def on_any_rank(flag: bool, info: Any, label: str) -> bool:
+    """Whether ``flag`` holds on some rank of ``info``'s mesh (a ``MeshInfo``): a MAX
+    all-reduce of one value over its shard and replicate groups."""
+    value = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    for group, size in ((info.shard_group, info.shard_size), (info.replicate_group, info.replicate_size)):
+        if group is not None and size > 1:
+            _collectives.all_reduce_(value, group, label=label, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
 def _check_loaded_shards(optimizer: torch.optim.Optimizer) -> None:
-    """Compare the shard records that a load put in the param groups with this rank's."""
+    """Compare the shard records that a load put in the param groups with this rank's, on
+    every rank of the mesh at once (each sees only its own: rank 0's state dict loaded by all
+    ranks passes on rank 0, which would step alone)."""
     problems = []
+    recorded = False
     for index, group in enumerate(optimizer.param_groups):
         saved = group.get(SHARDS_KEY)
         if saved is None:
             continue
+        recorded = True
         mine = _shards_of(group["params"])
         if [list(s) for s in saved] != mine:
             what = ", ".join(f"shard {r} of {n}" for r, n in saved)
             here = ", ".join(f"shard {r} of {n}" for r, n in mine) or "no sharded params"
             problems.append(f"param_groups[{index}] was saved holding {what}, but holds {here} here")
+    info = next(
+        (
+            slot.mesh_info
+            for group in optimizer.param_groups
+            for param in group["params"]
+            if (slot := getattr(param, "_fshard_slot", None)) is not None
+        ),
+        None,
+    )
+    if recorded and info is not None and on_any_rank(bool(problems), info, "optimizer.step") and not problems:
+        problems.append("another rank of the mesh was given the optimizer state of other shards")
     if problems:
         raise ValueError(
             "optimizer.load_state_dict loaded the optimizer state of other shards: "
@@ -577,9 +603,10 @@ _METHODS_ATTR = "_fshard_forward_methods"
 
 
 def hook_forward_method(group: ParamGroup, module: nn.Module, name: str) -> None:
-    """Make ``module.<name>(...)`` run as a forward of ``group`` (idempotent)."""
-    hooked = module.__dict__.setdefault(_METHODS_ATTR, set())
-    if name in hooked:
+    """Make ``module.<name>(...)`` run as a forward of ``group`` (idempotent while the method
+    in place is the wrapper: a method put there since is wrapped in turn)."""
+    hooked: dict[str, Callable[..., Any]] = module.__dict__.setdefault(_METHODS_ATTR, {})
+    if name in hooked and module.__dict__.get(name) is hooked[name]:
         return
     original = getattr(module, name)
     ref = weakref.ref(group)
@@ -590,9 +617,12 @@ def hook_forward_method(group: ParamGroup, module: nn.Module, name: str) -> None
         if unit is None or unit.training_state is not TrainingState.IDLE:
             return original(*args, **kwargs)  # inside the unit's forward or backward
         outside = not in_backward()
+        with_grad = torch.is_grad_enabled()
         changed = _method_pre_forward(unit, module, args, kwargs)
         if changed is not None:
             args, kwargs = changed
+        root = unit.root
+        before = (root.grad_forwards, root._grad_forward_pending) if isinstance(root, RootState) else None
         try:
             output = original(*args, **kwargs)
         except BaseException:
@@ -602,10 +632,30 @@ def hook_forward_method(group: ParamGroup, module: nn.Module, name: str) -> None
         if not outside:
             return output
         result = _method_post_forward(unit, module, args, kwargs, output)
-        return output if result is None else result
+        output = output if result is None else result
+        if with_grad and before is not None and isinstance(root, RootState):
+            _release_after_gradless_call(root, before, output)
+        return output
 
     module.__dict__[name] = run_as_forward
-    hooked.add(name)
+    hooked[name] = run_as_forward
+
+
+def _release_after_gradless_call(root: RootState, before: tuple[int, bool], output: Any) -> None:
+    """A registered method called with grad that ran every forward inside it without grad
+    (transformers' generate is decorated with torch.no_grad) and returned nothing requiring
+    grad: no backward can come for it, so free what its call kept for one, as after a forward
+    without grad."""
+    grad_forwards, pending = before
+    if root.grad_forwards != grad_forwards or root.root.training_state is TrainingState.FORWARD:
+        return  # (a forward inside ran with grad; or called inside the model's forward)
+    leaves = [output] if isinstance(output, torch.Tensor) else _tensors_in(output)
+    if any(t.requires_grad for t in leaves):
+        return
+    for group in root.groups:
+        if group.training_state is TrainingState.IDLE and (group.is_hidden() or group.holds_kept_rows()):
+            group.reshard()
+    root._grad_forward_pending = pending
 
 
 # (Eager under torch.compile, as the hooks are: see _UncompiledUnitHook.)
@@ -784,6 +834,7 @@ class RootState:
         self._grad_forward_pending = False
         self.warned_sharded_use = False  # see _used_while_sharded in _group
         self.hidden_kept = False  # some unit is kept gathered but hidden (see on_root_pre_forward)
+        self.grad_forwards = 0  # unit forwards run with grad (see register_forward_method)
         self._process_groups = _process_groups_of(groups)
         for process_group in self._process_groups:
             _collectives.start_recording(process_group)
@@ -1376,6 +1427,7 @@ def _pre_forward(
     root.record(group)
     group.unshard()
     if torch.is_grad_enabled():
+        root.grad_forwards += 1
         group.note_forward_versions()
         if _SEQUENCE_NR is not None:
             group.forward_seq = _SEQUENCE_NR()

@@ -250,3 +250,60 @@ def test_a_call_into_the_model_that_raises_leaves_nothing_gathered():
     """A container of units called from outside the model's forward runs as the root's
     forward; when it raises, the root's gathered parameters are freed at once."""
     assert get_pool(2).run(_raising_container_worker) == [True, True]
+
+
+class _Decoder(_LM):
+    @torch.no_grad()  # as transformers' generate is
+    def decode(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        return self.generate(tokens, steps)
+
+    def stream(self, tokens: torch.Tensor, steps: int):  # a generator function
+        for _ in range(steps):
+            tokens = torch.cat([tokens, self.head(self.encode(tokens))[-1:].argmax(-1)])
+            yield tokens
+
+
+def _grad_mode_worker() -> bool:
+    torch.manual_seed(0)
+    reference = _Decoder()
+    model = copy.deepcopy(reference)
+    mesh = mesh_for((2,))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    model(_tokens(0)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    base = fshard.memory_stats().gathered_bytes
+    fshard.register_forward_method(model, "decode")
+    x = _tokens(1)
+    # Called with grad: every forward inside runs without it, and nothing it returns requires
+    # grad, so nothing stays gathered for a backward that cannot come.
+    assert model.decode(x, 3).tolist() == reference.decode(x, 3).tolist()
+    assert fshard.memory_stats().gathered_bytes == base
+    # A forward with grad before it keeps its backward: the backward still equals DDP's.
+    loss = model(x).pow(2).mean()
+    model.decode(x, 2)
+    loss.backward()
+    reference(x).pow(2).mean().backward()
+    _reduce_like_ddp(reference)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        rows = q.grad.chunk(2)[dist.get_rank()]
+        torch.testing.assert_close(p.grad, rows, rtol=1e-5, atol=1e-6, msg=name)
+    assert fshard.memory_stats().gathered_bytes == base
+    # A method put in place of a registered one is wrapped when registered again.
+    fshard.register_forward_method(model, "encode")
+    model.encode = lambda tokens: reference.head(model.embed(tokens)).sum()  # type: ignore[method-assign]
+    fshard.register_forward_method(model, "encode")
+    with torch.no_grad():
+        assert model.encode(x).item() == pytest.approx(reference.head(reference.embed(x)).sum().item(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"_Decoder.stream is a generator function: its body runs after the call returns"):
+        fshard.register_forward_method(model, "stream")
+    return True
+
+
+def test_registered_methods_and_grad_mode_replacement_and_generators():
+    """A no_grad-decorated method called with grad frees what it gathered (it kept the root for
+    a backward that could not come); re-registering a replaced method wraps the new one (it
+    computed with the shards); generator functions are refused (their body runs later, with
+    the shards)."""
+    assert get_pool(2).run(_grad_mode_worker) == [True, True]

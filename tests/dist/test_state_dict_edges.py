@@ -414,9 +414,11 @@ def test_torch_optimizer_load_state_dict_of_other_shards_or_layouts_is_an_error(
     tensors) go through fshard.load_optim_state_dict. Not silently wrong moments, nor an error
     deep inside the update."""
     rank0, rank1 = get_pool(2).run(_plain_optim_state_dict_task)
-    assert set(rank0) == {"sharded", "full"} and set(rank1) == {"rank 0's", "sharded", "full"}
+    assert set(rank0) == set(rank1) == {"rank 0's", "sharded", "full"}
     assert "was saved holding shard 0 of 2, but holds shard 1 of 2 here" in rank1["rank 0's"]
     assert "each rank must load its own" in rank1["rank 0's"]
+    # Rank 0, whose own rows these are, refuses too: alone, it would step into a hang.
+    assert "another rank of the mesh was given the optimizer state of other shards" in rank0["rank 0's"]
     for errors in (rank0, rank1):
         assert "holds DTensors" in errors["sharded"] and "fshard.load_optim_state_dict" in errors["sharded"]
         assert "has the full parameter's shape" in errors["full"]
@@ -507,7 +509,7 @@ def _rank0_file_everywhere_task(path: str, mesh_shape: tuple[int, ...]) -> dict[
     saved = torch.load(path, weights_only=False)
     errors: dict[str, str | None] = {}
     try:
-        model.load_state_dict(saved["model"])  # local: raises where it is wrong only
+        model.load_state_dict(saved["model"])
         errors["module"] = None
     except RuntimeError as exc:
         errors["module"] = str(exc)
@@ -528,8 +530,8 @@ def test_another_ranks_sharded_state_dict_is_refused(tmp_path, mesh_shape):
     """A DTensor keeps the mesh coordinate of the rank that made it: loading rank 0's sharded
     state dict on every rank (the DDP habit) gave each rank rank 0's rows, silently. Ranks
     whose shard differs refuse it (``fshard.load_state_dict`` / ``load_optim_state_dict`` on
-    every rank, as they agree on errors); a rank of another replica holding the same rows on a
-    2D mesh takes it."""
+    every rank, as they agree on errors, and ``model.load_state_dict`` too: a rank holding
+    those very rows, rank 0 or one of another replica on a 2D mesh, would go on alone)."""
     world = math.prod(mesh_shape)
     results = get_pool(world).run(_rank0_file_everywhere_task, str(tmp_path / "rank0.pt"), mesh_shape)
     shard_size = mesh_shape[-1]
@@ -538,7 +540,7 @@ def test_another_ranks_sharded_state_dict_is_refused(tmp_path, mesh_shape):
         if foreign:
             assert "holding the shard of mesh coordinate" in errors["module"], errors
         else:
-            assert errors["module"] is None, errors
+            assert "another rank of the mesh was given DTensors holding the shards of other ranks" in errors["module"], errors
         for name in ("fshard", "optim"):  # agreed: refused on every rank
             assert errors[name] is not None and "holding the shard of mesh coordinate" in errors[name], (rank, errors)
 
