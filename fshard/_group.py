@@ -163,10 +163,11 @@ class _KeptRows(NamedTuple):
     nbytes: int
 
 
-# Units holding gathered parameters kept from a backward without gradient sync
-# (set_reshard_after_backward(False)): an optimizer step over their parameters frees them first
-# (see _hooks._free_kept_before_step).
-KEPT_AFTER_BACKWARD: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
+# Units that were holding gathered parameters aside (hidden: kept from a forward for its
+# backward, or from a backward without gradient sync) or rows kept by reshard_after_forward=<int>:
+# an optimizer step over their parameters frees them first (see _hooks._free_kept_before_step).
+# Pruned there, lazily.
+KEPT_GATHERED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 class ParamGroup:
@@ -619,6 +620,7 @@ class ParamGroup:
             for slot in self.slots:
                 slot.use_sharded()
             self.unsharded_registered = False
+            KEPT_GATHERED.add(self)
 
     @property
     def post_forward_size(self) -> int:
@@ -649,6 +651,7 @@ class ParamGroup:
         GATHERED.add(nbytes)
         self._kept_bytes[0] = nbytes
         self._kept_rows = _KeptRows(target, rows, versions, nbytes)
+        KEPT_GATHERED.add(self)
 
     def drop_kept_rows(self) -> None:
         kept, self._kept_rows = self._kept_rows, None
@@ -753,7 +756,6 @@ class ParamGroup:
             and self.sharded_state is ShardedState.UNSHARDED
         ):
             self.hide_unsharded()
-            KEPT_AFTER_BACKWARD.add(self)
         else:
             self.reshard()
 

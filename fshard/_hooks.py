@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, first_few, internal_error
 from fshard._group import (
-    KEPT_AFTER_BACKWARD,
+    KEPT_GATHERED,
     ParamGroup,
     PendingAllReduce,
     PendingReduce,
@@ -124,26 +124,33 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             # Look again only after new units were made (its params may be sharded then).
             _UNSHARDED_AT[optimizer] = _UNITS_MADE[0]
     _check_step_sees_reduced_grads(optimizer, *args)
-    if KEPT_AFTER_BACKWARD:
+    if KEPT_GATHERED:
         _free_kept_before_step(optimizer)
 
 
 def _free_kept_before_step(optimizer: torch.optim.Optimizer) -> None:
-    """Free the units kept gathered from a backward without sync (set_reshard_after_backward)
-    whose parameters this step updates. Their next forward would reuse the copy while the
-    shards look unchanged, and a fused optimizer (or ``p.data`` writes) changes them without
-    bumping their version counters; a step between micro-batches (after a reduce-scattering
-    no_sync, whose ``.grad`` is final) must be seen, so it frees them. The same on every rank:
-    every rank steps alike."""
+    """Free the units holding gathered parameters aside (kept from a forward whose backward has
+    not run, or from a backward without sync) or rows kept by ``reshard_after_forward=<int>``,
+    whose parameters this step updates. A fused optimizer (or ``p.data`` writes) changes the
+    shards without bumping their version counters, so ``fshard.unshard``, a unit called on its
+    own or the next micro-batch would reuse the old values; a step between micro-batches
+    (after a reduce-scattering no_sync, whose ``.grad`` is final) must be seen. The same on
+    every rank: every rank steps alike."""
+    holding = []
+    for group in list(KEPT_GATHERED):
+        if group.is_hidden() or group.holds_kept_rows():
+            holding.append(group)
+        else:
+            KEPT_GATHERED.discard(group)  # freed or shown since
+    if not holding:
+        return
     stepped = {id(p) for param_group in optimizer.param_groups for p in param_group["params"]}
-    for group in list(KEPT_AFTER_BACKWARD):
-        if not group.is_hidden():
-            KEPT_AFTER_BACKWARD.discard(group)  # freed or shown since
-        elif group.training_state is TrainingState.IDLE and any(
+    for group in holding:
+        if group.training_state is TrainingState.IDLE and any(
             id(slot.sharded_param) in stepped for slot in group.slots
         ):
             group.reshard()
-            KEPT_AFTER_BACKWARD.discard(group)
+            KEPT_GATHERED.discard(group)
 
 
 # [Note: plain optimizer state dicts of sharded parameters]

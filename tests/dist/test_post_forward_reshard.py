@@ -197,3 +197,34 @@ def _settings_worker() -> bool:
 
 def test_int_settings_are_checked_against_the_mesh():
     assert get_pool(4).run(_settings_worker) == [True] * 4
+
+
+def _fused_step_after_a_forward_worker(setting: bool | int) -> list[bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    mesh = mesh_for((4,))
+    fshard.fully_shard(model[0], mesh=mesh, reshard_after_forward=setting)
+    fshard.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model(torch.ones(2, 8)).sum().backward()
+    model(torch.ones(2, 8)).sum()  # with grad, no backward: model[0] keeps its copy (or rows)
+    opt.step()  # fused: writes the shards without bumping their version counters
+    weight, bias = model[0].weight.full_tensor(), model[0].bias.full_tensor()
+    with torch.no_grad():  # the unit called on its own computes with the new values...
+        called = bool(torch.allclose(model[0](torch.ones(2, 8)), nn.functional.linear(torch.ones(2, 8), weight, bias)))
+    model(torch.ones(2, 8)).sum()
+    opt.step()
+    weight = model[0].weight.full_tensor()
+    fshard.unshard(model[0])  # ...and fshard.unshard shows them
+    shown = bool(torch.equal(model[0].weight.detach(), weight))
+    fshard.reshard(model)
+    return [called, shown]
+
+
+@pytest.mark.parametrize("setting", [2, False], ids=["int", "zero2"])
+def test_what_a_forward_kept_is_freed_by_an_optimizer_step(setting):
+    """Rows kept by an int (or a ZeRO-2 unit's copy) from a forward whose backward never came
+    outlived a fused optimizer step: fshard.unshard and a call of the unit on its own used the
+    weights from before the step."""
+    for result in get_pool(4).run(_fused_step_after_a_forward_worker, setting):
+        assert result == [True, True], result
