@@ -95,6 +95,21 @@ def units_or_error(module: nn.Module, where: str) -> list[ParamGroup]:
         raise TypeError(f"{where} expects an nn.Module, got {type(module).__name__}")
     groups = units_under(module)
     if not groups:
+        owner = next(
+            (
+                group
+                for p in module.parameters()
+                if (slot := p.__dict__.get("_fshard_slot")) is not None
+                and (group := slot.group_ref()) is not None
+            ),
+            None,
+        )
+        if owner is not None:
+            raise ValueError(
+                f"{where}: {type(module).__name__} is not a unit but part of unit {owner.label}: "
+                "settings apply to whole units; pass that unit's module (or the model, for every "
+                "unit)"
+            )
         raise ValueError(
             f"{where}: {type(module).__name__} has no fshard units; call fshard.fully_shard on its "
             "blocks and then on the model first"
@@ -2119,6 +2134,7 @@ def _fingerprint(module: nn.Module, groups: list[ParamGroup]) -> list[tuple[Any,
                 repr(g.mp_policy),  # frozen dataclasses: the repr names every field
                 repr(g.offload_policy),
                 _prefetch_setting(g),  # it decides which gathers each rank issues, and when
+                g.gradient_divide_factor,  # differing ones mix into silently wrong gradients
             )
         )
     # FSHARD_DEBUG turns prefetch off and adds a check to every step: collectives of its own.
@@ -2143,7 +2159,7 @@ def _describe(row: tuple[Any, ...] | None) -> str:
     if row[0] == "unit":
         return (
             f"unit {row[1]} (mesh {row[2]}, reshard_after_forward={row[3]}, mp_policy={row[4]}, "
-            f"offload_policy={row[5]}, prefetch {row[6]})"
+            f"offload_policy={row[5]}, prefetch {row[6]}, gradient_divide_factor={row[7]})"
         )
     if row[0] == "debug":
         return f"FSHARD_DEBUG {'set' if row[1] else 'unset'} (set it alike on every rank)"
@@ -2225,7 +2241,8 @@ def _validate_across_ranks(root: ParamGroup, groups: list[ParamGroup]) -> None:
                     f"ranks built different sharded models: rank {ref_rank} has "
                     f"{_describe(mine)} where rank {rank} has {_describe(theirs)}. Every rank must "
                     "build the same model and call fully_shard on the same modules with the same "
-                    "arguments."
+                    "arguments (and set_prefetch, set_reshard_after_forward and "
+                    "set_gradient_divide_factor alike)."
                 )
             raise internal_error("fingerprint digests differ but fingerprints are equal")
     on_meta = [slot.fqn for g in groups for slot in g.slots if slot.sharded_param.is_meta]

@@ -97,6 +97,12 @@ def _errors() -> bool:
             fshard.set_gradient_divide_factor(model, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"set_gradient_divide_factor: Linear has no fshard units"):
         fshard.set_gradient_divide_factor(nn.Linear(2, 2), 1.0)
+    with pytest.raises(ValueError, match=r"set_gradient_divide_factor: Linear is not a unit but part of unit _Net: settings apply to whole units"):
+        fshard.set_gradient_divide_factor(model.lin1, 1.0)
+    # Ranks that set different factors are caught at the first forward, naming the setting.
+    fshard.set_gradient_divide_factor(model, 1.0 if dist.get_rank() == 0 else None)
+    with pytest.raises(fshard.RankMismatchError, match=r"gradient_divide_factor=1.0\).* where rank 1 has .*gradient_divide_factor=None\).*set_gradient_divide_factor alike"):
+        model(torch.randn(2, 6))
     return True
 
 
