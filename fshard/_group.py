@@ -160,7 +160,6 @@ class _KeptRows(NamedTuple):
     target: PostForwardGroup
     rows: list[torch.Tensor | None]  # per bucket (None: aliased, nothing gathered)
     versions: tuple[int, ...]  # the shards' version counters when the forward gathered
-    nbytes: int
 
 
 # Units that were holding gathered parameters aside (hidden: kept from a forward for its
@@ -650,13 +649,13 @@ class ParamGroup:
         nbytes = sum(r.numel() * r.element_size() for r in rows if r is not None)
         GATHERED.add(nbytes)
         self._kept_bytes[0] = nbytes
-        self._kept_rows = _KeptRows(target, rows, versions, nbytes)
+        self._kept_rows = _KeptRows(target, rows, versions)
         KEPT_GATHERED.add(self)
 
     def drop_kept_rows(self) -> None:
-        kept, self._kept_rows = self._kept_rows, None
-        if kept is not None:
-            GATHERED.sub(kept.nbytes)
+        if self._kept_rows is not None:
+            self._kept_rows = None
+            GATHERED.sub(self._kept_bytes[0])
             self._kept_bytes[0] = 0
 
     def reshard(self) -> None:

@@ -49,6 +49,7 @@ from fshard._group import (
     ShardedState,
     TrainingState,
 )
+from fshard._mesh import MeshInfo
 from fshard._options import BackwardPrefetch
 from fshard._profiling import phase
 from fshard._sharded import is_sharded
@@ -204,7 +205,7 @@ def _stamp_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
             saved[SHARDS_KEY] = shards
 
 
-def on_any_rank(flag: bool, info: Any, label: str) -> bool:
+def on_any_rank(flag: bool, info: MeshInfo, label: str) -> bool:
     """Whether ``flag`` holds on some rank of ``info``'s mesh (a ``MeshInfo``): a MAX
     all-reduce of one value over its shard and replicate groups."""
     value = torch.tensor([1.0 if flag else 0.0], device=info.device)
@@ -528,32 +529,26 @@ def hook_containers(group: ParamGroup) -> None:
         module = stack.pop()
         if _UNIT_ATTR in module.__dict__:
             if _CONTAINER_ATTR not in module.__dict__ and _reads_params_of(module, group):
-                module.__dict__[_CONTAINER_ATTR] = True
-                module.register_forward_pre_hook(
-                    _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
-                )
-                module.register_forward_hook(
-                    _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
-                )
-                module.register_forward_hook(
-                    _UncompiledUnitHook(_container_after_forward, group), always_call=True
-                )
+                _hook_container(module, group)
             continue
         children = list(module.children())
         if _CONTAINER_ATTR not in module.__dict__ and any(
             _UNIT_ATTR in m.__dict__ for m in module.modules()
         ):
-            module.__dict__[_CONTAINER_ATTR] = True
-            module.register_forward_pre_hook(
-                _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
-            )
-            module.register_forward_hook(
-                _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
-            )
-            module.register_forward_hook(
-                _UncompiledUnitHook(_container_after_forward, group), always_call=True
-            )
+            _hook_container(module, group)
         stack.extend(children)
+
+
+def _hook_container(module: nn.Module, group: ParamGroup) -> None:
+    """Calls of ``module`` from outside ``group``'s forward run as a forward of ``group``."""
+    module.__dict__[_CONTAINER_ATTR] = True
+    module.register_forward_pre_hook(
+        _UncompiledUnitHook(_container_pre_forward, group), prepend=True, with_kwargs=True
+    )
+    module.register_forward_hook(
+        _UncompiledUnitHook(_container_post_forward, group), prepend=False, with_kwargs=True
+    )
+    module.register_forward_hook(_UncompiledUnitHook(_container_after_forward, group), always_call=True)
 
 
 def _reads_params_of(module: nn.Module, group: ParamGroup) -> bool:

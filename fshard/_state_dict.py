@@ -378,31 +378,6 @@ def _same_layout(value: DTensor, slot: ParamSlot) -> bool:
     return _on_slot_mesh(value, slot) and value.to_local().shape == slot.layout.local_shape
 
 
-def _foreign_on_any_rank(keys: list[tuple[str, ParamSlot]], state_dict: Mapping[str, Any]) -> str | None:
-    """For a module's load of DTensors laid out like its params: why the load is refused if
-    some rank of the mesh found another rank's shard (see ``_foreign_shard``), else None.
-
-    Each rank sees only its own DTensors: every rank loading rank 0's file fails on the others
-    while rank 0 loads it and goes on alone, into a collective no one else joins. One small
-    all-reduce per module so loaded; the same on every rank, as the same keys are loaded.
-    """
-    mine = [
-        (key, slot)
-        for key, slot in keys
-        if isinstance(state_dict[key], DTensor) and _on_slot_mesh(state_dict[key], slot)
-    ]
-    if not mine:
-        return None
-    info = mine[0][1].mesh_info
-    found = any(_foreign_shard("", state_dict[key], slot) is not None for key, slot in mine)
-    if not on_any_rank(found, info, "load_state_dict"):
-        return None
-    return (
-        "another rank of the mesh was given DTensors holding the shards of other ranks (a "
-        "sharded state dict saved by one rank and loaded by all)"
-    )
-
-
 def _foreign_shard(what: str, value: torch.Tensor, slot: ParamSlot) -> str | None:
     """Why a DTensor laid out like ``slot`` cannot be loaded here: it holds another rank's
     shard (``None`` if it is this rank's, or not such a DTensor).
@@ -574,17 +549,30 @@ def on_module_load_state_dict(
         )
     groups = {id(g): g for _, slot in keys if (g := slot.group_ref()) is not None}
     _free_for_load(list(groups.values()), where)  # the units gather again on their next use
-    foreign_anywhere = _foreign_on_any_rank(keys, state_dict)
+    foreign = {key: _foreign_shard(f"key {key!r}", state_dict[key], slot) for key, slot in keys}
+    on_mesh = [
+        slot
+        for key, slot in keys
+        if isinstance(state_dict[key], DTensor) and _on_slot_mesh(state_dict[key], slot)
+    ]
+    # Each rank sees only its own DTensors: rank 0's file loaded by every rank fails on the
+    # others while rank 0 would load it and go on alone, into a collective no one else joins.
+    # So the ranks agree (one small all-reduce per module loading DTensors laid out like its
+    # params; the same on every rank, as the same keys are loaded).
+    refused = bool(on_mesh) and on_any_rank(
+        any(m is not None for m in foreign.values()), on_mesh[0].mesh_info, "load_state_dict"
+    )
     for key, slot in keys:
         value = state_dict[key]
-        foreign = _foreign_shard(f"key {key!r}", value, slot)
-        if foreign is not None:
-            error_msgs.append(foreign)
+        message = foreign[key]
+        if message is not None:
+            error_msgs.append(message)
             state_dict[key] = _local(slot)  # copied onto itself: nothing changes
-        elif foreign_anywhere is not None and isinstance(value, DTensor) and _on_slot_mesh(value, slot):
+        elif refused and isinstance(value, DTensor) and _on_slot_mesh(value, slot):
             error_msgs.append(
-                f"key {key!r}: {foreign_anywhere}. Every rank of the mesh refuses the load, so "
-                "that none goes on with it alone"
+                f"key {key!r}: another rank of the mesh was given DTensors holding the shards of "
+                "other ranks (a sharded state dict saved by one rank and loaded by all). Every "
+                "rank of the mesh refuses the load, so that none goes on with it alone"
             )
             state_dict[key] = _local(slot)
         elif isinstance(value, DTensor):
