@@ -395,7 +395,8 @@ def checkpoint_forward(module: nn.Module) -> None:
     ``state_dict()`` keys. When ``module`` is an fshard unit, its hooks gather the parameters
     before the checkpointed forward, and its backward gathers them again before the
     recomputation. In training, the KV-cache arguments of Transformers layers
-    (``use_cache``, ``past_key_values``, ``past_key_value``, ``layer_past``) are dropped, with
+    (``use_cache``, ``past_key_values``, ``past_key_value``, ``layer_past``, and ``cache`` for
+    a Transformers layer) are dropped, with
     one warning per class, as Transformers' own checkpointing does: the recompute would write
     to the cache a second time. The instance's ``forward`` attribute is set (a ``functools.partial``, so the
     module still deep-copies and pickles); a module whose ``forward`` is already set on the
@@ -409,8 +410,11 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = functools.partial(_checkpointed_forward, module)
 
 
-# Arguments through which Transformers layers append to a KV cache (named per model).
+# Arguments through which Transformers layers append to a KV cache (named per model and per
+# Transformers release: 5.x layers take a plain ``cache``, too generic a name to drop from any
+# module but a Transformers layer, which says so with ``_can_checkpoint_with_cache``).
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_TRANSFORMERS_CACHE_ARGS = ("cache",)
 _WARNED_CACHE: set[type] = set()
 
 
@@ -431,7 +435,7 @@ def _positions(cls: type[nn.Module]) -> dict[str, int]:
     found = {
         p.name: i
         for i, p in enumerate(params)
-        if p.kind in positional and p.name in (*_CACHE_ARGS, "use_cache")
+        if p.kind in positional and p.name in (*_CACHE_ARGS, *_TRANSFORMERS_CACHE_ARGS, "use_cache")
     }
     _POSITIONS[cls] = found
     return found
@@ -462,8 +466,10 @@ def _without_cache(
     if given("use_cache"):
         replace("use_cache", False)
         dropped.append("use_cache=False")
-    if not getattr(module, "_can_checkpoint_with_cache", False):
-        for name in _CACHE_ARGS:
+    can_keep = getattr(module, "_can_checkpoint_with_cache", None)
+    if not can_keep:
+        names = _CACHE_ARGS if can_keep is None else (*_CACHE_ARGS, *_TRANSFORMERS_CACHE_ARGS)
+        for name in names:
             if given(name) is not None:
                 replace(name, None)
                 dropped.append(f"{name}=None")

@@ -374,3 +374,58 @@ def test_checkpoint_forward_recomputes_in_backward_and_keeps_the_module() -> Non
     assert (clone.calls, recomputed.calls) == (4, 2)
     with pytest.raises(ValueError, match="already has a forward set on the instance"):
         checkpoint_forward(recomputed)
+
+
+class _CacheWriter(nn.Module):
+    """A layer that appends to a KV cache it is given, under the argument names of Transformers
+    4.x (``past_key_values``) and 5.x (``cache``); ``_can_checkpoint_with_cache`` marks a
+    Transformers layer (``None``: any other module)."""
+
+    _can_checkpoint_with_cache: bool | None = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: list[torch.Tensor] | None = None,
+        past_key_values: list[torch.Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        y = self.lin(x)
+        for kv in (cache, past_key_values):
+            if kv is not None:
+                kv.append(y.detach())  # written in forward and again in a recompute
+        return y
+
+
+class _PlainCacheArg(_CacheWriter):
+    _can_checkpoint_with_cache = None  # not a Transformers layer: ``cache`` is its own argument
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_checkpointed_transformers_layer_drops_its_kv_cache(positional: bool) -> None:
+    layer = _CacheWriter()
+    checkpoint_forward(layer)
+    x = torch.randn(2, 3, requires_grad=True)
+    cache: list[torch.Tensor] = []
+    past: list[torch.Tensor] = []
+    if positional:
+        layer(x, cache, past, True).sum().backward()
+    else:
+        layer(x, cache=cache, past_key_values=past, use_cache=True).sum().backward()
+    assert (cache, past) == ([], [])  # dropped in training: the recompute would append again
+    with torch.no_grad():  # no backward to replay: the cache is kept
+        layer(x, cache=cache, past_key_values=past, use_cache=True)
+    assert (len(cache), len(past)) == (1, 1)
+
+
+def test_checkpointed_plain_module_keeps_an_argument_named_cache() -> None:
+    layer = _PlainCacheArg()
+    checkpoint_forward(layer)
+    cache: list[torch.Tensor] = []
+    past: list[torch.Tensor] = []
+    layer(torch.randn(2, 3), cache=cache, past_key_values=past).sum().backward()
+    assert len(cache) >= 1 and past == []  # its own ``cache`` is passed (the recompute may stop early)
