@@ -751,3 +751,83 @@ def test_freezing_a_param_between_micro_batches_loses_no_gradient(mesh_shape, re
     between micro-batches gets the ones it had."""
     results = get_pool(math.prod(mesh_shape)).run(_freeze_between_micro_batches, mesh_shape, reduce_scatter)
     assert results == [[]] * math.prod(mesh_shape)
+
+
+class _BufferedBlock(nn.Module):
+    """A block with buffers: BatchNorm's running statistics (updated in forward) and a fixed
+    scale read in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5, bias=False)  # (a bias before a norm has no gradient but noise)
+        self.norm = nn.BatchNorm1d(5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)) * self.scale)
+
+
+class _Buffered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_BufferedBlock() for _ in range(2))
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _buffered_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _buffers_worker(mesh_shape):
+    model, reference = _Buffered(), _Buffered()
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh_for(mesh_shape))
+    fshard.fully_shard(model, mesh=mesh_for(mesh_shape))
+    names = [name for name, _ in reference.named_buffers()]
+    assert [name for name, _ in model.named_buffers()] == names
+    for _ in range(2):  # the buffers stay whole, plain tensors, and update in place like the reference's
+        x = _buffered_batch(0, dist.get_rank())
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        for (name, buffer), want in zip(model.named_buffers(), reference.buffers(), strict=True):
+            assert type(buffer) is torch.Tensor and not fshard.is_sharded(buffer), name
+            assert buffer.shape == want.shape and torch.equal(buffer, want), name
+    return dict(model.state_dict())["blocks.0.norm.running_mean"].shape == (5,)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_buffers_stay_whole_and_train_like_ddp(mesh_shape):
+    """Buffers are not sharded: every rank holds each whole, updates it in its own forward (as
+    FSDP2 does; DDP also broadcasts rank 0's before each forward), and the model with them
+    trains like DDP."""
+    assert all(get_pool(4).run(_buffers_worker, mesh_shape))
+    assert_equivalent_to_ddp(_Buffered, batch_fn=_buffered_batch, world_size=4, mesh_shape=mesh_shape, steps=3)
+
+
+def _shard_on_the_default_mesh(model, mesh):
+    del mesh  # mesh=None: a 1D mesh over the default process group
+    for block in model.blocks:
+        fshard.fully_shard(block)
+    fshard.fully_shard(model)
+    from torch.distributed.tensor import Shard
+
+    for name, p in model.named_parameters():
+        assert p.device_mesh.mesh.tolist() == list(range(dist.get_world_size())), name
+        assert p.device_mesh.device_type == "cpu" and tuple(p.placements) == (Shard(0),), name
+
+
+def test_the_default_mesh_is_1d_over_every_rank():
+    assert_equivalent_to_ddp(
+        functools.partial(build_model, GPT),
+        batch_fn=functools.partial(make_batch, GPT),
+        loss_fn=functools.partial(compute_loss, GPT),
+        shard_fn=_shard_on_the_default_mesh,
+        world_size=3,
+        steps=2,
+    )

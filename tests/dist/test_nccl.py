@@ -115,6 +115,8 @@ def _knobs_worker(spec, knob):
         if offload:
             p = next(model.parameters())
             assert p.to_local().device.type == "cpu" and p.full_tensor().device.type == "cpu"
+            # Pinned host shards: their copies to the GPU before each gather are asynchronous.
+            assert all(q.to_local().is_pinned() for q in model.parameters() if q.to_local().numel())
     (plain_losses, plain), (off_losses, off) = runs[False], runs[True]
     assert all(math.isfinite(x) for x in plain_losses), plain_losses
     # Offload steps AdamW on the CPU instead of the GPU: the same math, rounded by other kernels.
@@ -181,6 +183,22 @@ def test_nccl_checkpoint_devices(nccl_pool, tmp_path_factory, fused):
     directory = str(tmp_path_factory.mktemp("nccl-ckpt"))
     assert all(nccl_pool.run(_checkpoint_worker, GPT, directory, fused))
 
+
+def _gpu_module_on_a_cpu_mesh():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)).cuda()
+    fshard.fully_shard(model[1], mesh=mesh_for((1,), device_type="cpu"))
+
+
+def test_a_module_on_the_gpu_with_a_cpu_mesh_is_an_error_naming_the_parameter():
+    """End to end through fully_shard (CPU-only machines have no second device type): a
+    parameter on a device other than the mesh's is named, with what to do."""
+    from fshard.testing import RanksFailed, get_pool
+
+    with pytest.raises(RanksFailed) as info:
+        get_pool(1).run(_gpu_module_on_a_cpu_mesh)
+    message = str(info.value.errors[0])
+    assert "parameter 'weight' is on cuda:0, but the mesh computes on cpu" in message, message
+    assert "module.to('cpu')" in message, message
 
 
 def _accelerate_worker(spec, offload):
