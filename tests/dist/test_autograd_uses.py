@@ -327,14 +327,14 @@ class _OwnCheckpoint(torch.autograd.Function):
     runs without grad in ``forward`` and again with grad in ``backward``."""
 
     @staticmethod
-    def forward(ctx, run, x):  # noqa: ANN001, ANN205
+    def forward(ctx, run, x):
         ctx.run = run
         ctx.save_for_backward(x)
         with torch.no_grad():
             return run(x)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():

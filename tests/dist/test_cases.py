@@ -14,7 +14,6 @@ from torch import nn
 
 import fshard
 from fshard.testing import assert_equivalent_to_ddp, get_pool, mesh_for
-from tests.dist.probes import GatherProbe
 from fshard.testing.models import (
     MLPSpec,
     TransformerSpec,
@@ -24,6 +23,7 @@ from fshard.testing.models import (
     model_inputs,
     shard_model,
 )
+from tests.dist.probes import GatherProbe
 
 
 def check(spec, *, world_size=4, mesh_shape=None, ddp_kwargs=None, rtol=1e-5, atol=1e-6, **kwargs):
@@ -450,7 +450,7 @@ def _clip_nan_worker(norm_type, nan_rank):
     if dist.get_rank() == nan_rank:
         model.weight.grad[0, 0] = float("nan")  # an overflow lands in one rank's shard
     norm = fshard.clip_grad_norm_(model.parameters(), 1.0, norm_type)
-    with pytest.raises(RuntimeError, match="the total norm of order .* is nan"):
+    with pytest.raises(RuntimeError, match=r"the total norm of order .* is nan"):
         fshard.clip_grad_norm_(model.parameters(), 1.0, norm_type, error_if_nonfinite=True)
     return math.isnan(float(norm))
 
@@ -493,7 +493,7 @@ def _writeback_worker(strategy, mp):
         for m in (model, reference):
             m[0].weight.mul_(-2.0)  # the same edit on every rank
             m[1].bias.fill_(0.25)
-    with pytest.raises(TypeError, match="fshard.reshard: writeback must be a bool, got 1"):
+    with pytest.raises(TypeError, match=r"fshard.reshard: writeback must be a bool, got 1"):
         fshard.reshard(model, writeback=1)  # nothing freed: the edits are still there below
     try:
         fshard.reshard(model, writeback=True)
@@ -562,7 +562,7 @@ def test_sharded_parameters_are_dtensor_like(mesh_shape):
     results = get_pool(4).run(_dtensor_like_worker, mesh_shape)
     for rank, result in enumerate(results):
         shard_rank = rank % size
-        for name, info in result.items():
+        for _name, info in result.items():
             assert info["sharded"] and info["mesh_is_mesh"] and info["plain_local"]
             torch.testing.assert_close(info["full"], info["reference"], rtol=0, atol=0)
             assert info["full_shape"] == tuple(info["reference"].shape)

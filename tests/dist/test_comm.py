@@ -7,7 +7,13 @@ import torch
 import torch.distributed as dist
 
 from fshard.testing import get_pool, mesh_for, trace_collectives
-from fshard.testing.models import TransformerSpec, build_model, compute_loss, make_batch, shard_model
+from fshard.testing.models import (
+    TransformerSpec,
+    build_model,
+    compute_loss,
+    make_batch,
+    shard_model,
+)
 
 SPEC = TransformerSpec(vocab=29, dim=8, heads=2, layers=3, seq=6, batch_size=2)
 
@@ -108,7 +114,7 @@ def test_step_traffic_is_zero3(mesh_shape, reshard_after_forward):
 
 def test_no_shard_strategy_only_all_reduces():
     for result in get_pool(4).run(_step_comm_worker, (4, 1), False):
-        padded, grad_bytes, _, flag_bytes = result["bytes"]
+        _padded, grad_bytes, _, flag_bytes = result["bytes"]
         records = result["steps"][1]  # step 0 also holds the one-off root-init check
         assert {r[0] for r in records} == {"all_reduce"}  # like DDP: no gathers at all
         assert sum(r[2] for r in records) == grad_bytes + flag_bytes

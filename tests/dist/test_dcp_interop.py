@@ -87,7 +87,10 @@ def test_fsdp2_checkpoint_loads_into_fshard(tmp_path, save_mesh, load_mesh):
 def _optimizer_both_ways_task(path: str) -> bool:
     """Model and AdamW state saved by FSDP2 resume in fshard, and the reverse; each resumed
     run's next step equals the one the saving run takes."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     source = _fsdp2_model((4,), seed=3)
     source_opt = C.make_optim(source)

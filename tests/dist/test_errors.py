@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
-from unittest import mock
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -68,9 +68,9 @@ def test_wrong_argument_types_are_named():
         fshard.fully_shard(_mlp(), mesh="cpu")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
         fshard.fully_shard(_mlp(), reshard_after_forward="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="mp_policy must be fshard.MixedPrecision"):
+    with pytest.raises(TypeError, match=r"mp_policy must be fshard.MixedPrecision"):
         fshard.fully_shard(_mlp(), mp_policy=torch.bfloat16)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="expects an nn.Module"):
+    with pytest.raises(TypeError, match=r"expects an nn.Module"):
         fshard.fully_shard(torch.zeros(2))  # type: ignore[arg-type]
 
 
@@ -78,11 +78,11 @@ def _bad_arguments_worker() -> bool:
     with pytest.raises(TypeError, match="ignored_params takes an iterable of parameters, got one tensor"):
         model = _mlp()
         fshard.fully_shard(model, mesh=mesh_for((2,)), ignored_params=model[2].weight)
-    with pytest.raises(ValueError, match="replicate_size must be a positive divisor .* got True"):
+    with pytest.raises(ValueError, match=r"replicate_size must be a positive divisor .* got True"):
         fshard.strategy_kwargs("HYBRID_SHARD", replicate_size=True)
-    with pytest.raises(ValueError, match="device_type must name a torch device type .* got 'gpu'"):
+    with pytest.raises(ValueError, match=r"device_type must name a torch device type .* got 'gpu'"):
         fshard.strategy_kwargs("FULL_SHARD", device_type="gpu")
-    with pytest.raises(ValueError, match="device type without an index .* got 'cpu:0'"):
+    with pytest.raises(ValueError, match=r"device type without an index .* got 'cpu:0'"):
         fshard.strategy_kwargs("FULL_SHARD", device_type="cpu:0")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device_type 'cuda' is not available on this machine"):
@@ -120,26 +120,26 @@ def _unsupported_gradients_worker() -> list[str]:
     fshard.fully_shard(model, mesh=mesh, ignored_params=[model[0].weight])  # left alone: fine
     lookup = _SparseLookup()
     fshard.fully_shard(lookup, mesh=mesh)
-    with pytest.raises(TypeError, match="the gradient of 'table' in unit <root> is torch.sparse_coo"):
+    with pytest.raises(TypeError, match=r"the gradient of 'table' in unit <root> is torch.sparse_coo"):
         lookup(torch.tensor([1, 2])).sum().backward()
     model = nn.Linear(4, 3)
     fshard.fully_shard(model, mesh=mesh)
     opt = torch.optim.Adafactor(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
-    with pytest.raises(TypeError, match="torch.optim.Adafactor cannot step fshard's sharded parameters"):
+    with pytest.raises(TypeError, match=r"torch.optim.Adafactor cannot step fshard's sharded parameters"):
         opt.step()
     if hasattr(torch.optim, "Muon"):  # orthogonalises whole matrices
-        with pytest.raises(TypeError, match="torch.optim.Muon cannot step .* orthogonalises each whole"):
+        with pytest.raises(TypeError, match=r"torch.optim.Muon cannot step .* orthogonalises each whole"):
             torch.optim.Muon([model.weight]).step()
         whole = fshard.fully_shard(nn.Linear(4, 3), mesh=mesh_for((2, 1)))  # replicas only: fine
         whole(torch.ones(2, 4)).sum().backward()
         torch.optim.Muon([whole.weight]).step()
-    with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates") as info:
+    with pytest.raises(RuntimeError, match=r"inside a torch.func transform that differentiates") as info:
         torch.func.grad(lambda x: model(x).sum())(torch.ones(2, 4))
     messages.append(str(info.value))
     fresh = nn.Linear(4, 3)  # before the first forward too (no root set-up inside the transform)
     fshard.fully_shard(fresh, mesh=mesh)
-    with pytest.raises(RuntimeError, match="inside a torch.func transform that differentiates"):
+    with pytest.raises(RuntimeError, match=r"inside a torch.func transform that differentiates"):
         torch.func.jacrev(fresh)(torch.ones(4))
     torch.testing.assert_close(  # what the message recommends
         torch.autograd.functional.jacobian(fresh, torch.ones(4)), fresh.weight.full_tensor()
@@ -500,7 +500,7 @@ def _clip_with_other_params_on_rank_one(norm_type, which):
         if which == "fewer":  # the usual slip: a filter that differs by rank
             params = params[:-1]
         elif which == "others":  # as many, of other ones: model[2].weight for model[0].weight
-            params = [model[2].weight] + params[1:]
+            params = [model[2].weight, *params[1:]]
     fshard.clip_grad_norm_(reversed(params) if dist.get_rank() == 0 else params, 1.0, norm_type)
 
 

@@ -11,7 +11,6 @@ the units are checked and training is compared with DDP within bf16 rounding.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import time
 from dataclasses import dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 
 import pytest
@@ -17,7 +16,13 @@ from torch import nn
 import fshard
 from fshard.testing import get_pool, mesh_for, trace_collectives
 from fshard.testing import strategies as fst
-from fshard.testing.models import TransformerSpec, build_model, compute_loss, make_batch, shard_model
+from fshard.testing.models import (
+    TransformerSpec,
+    build_model,
+    compute_loss,
+    make_batch,
+    shard_model,
+)
 from tests.dist.probes import GatherProbe
 
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fshard
-from fshard.testing import RankPool, RanksFailed, get_pool, mesh_for, trace_collectives
-from tests.dist.probes import rank_mismatch_messages
+from fshard.testing import get_pool, mesh_for, trace_collectives
 from fshard.transforms import Layout, TensorLayout, reshard
+from tests.dist.probes import rank_mismatch_messages
 
 
 def _my_rows(param, full: torch.Tensor) -> torch.Tensor:

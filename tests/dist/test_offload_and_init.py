@@ -10,7 +10,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fshard
 from fshard.testing import get_pool, mesh_for
-from fshard.testing.models import TransformerSpec, build_model, compute_loss, make_batch, shard_model
+from fshard.testing.models import (
+    TransformerSpec,
+    build_model,
+    compute_loss,
+    make_batch,
+    shard_model,
+)
 
 SPEC = TransformerSpec(vocab=31, dim=12, heads=3, layers=2, seq=6, batch_size=3)
 

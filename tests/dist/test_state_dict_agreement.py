@@ -120,7 +120,7 @@ class _ColumnStats(torch.optim.Optimizer):
         super().__init__(params, {"lr": 0.1})
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002  # torch's signature
+    def step(self, closure=None):  # torch's signature
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -17,7 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fshard
-from fshard.testing import RanksFailed, assert_equivalent_to_ddp, get_pool, mesh_for, trace_collectives
+from fshard.testing import (
+    RanksFailed,
+    assert_equivalent_to_ddp,
+    get_pool,
+    mesh_for,
+    trace_collectives,
+)
 
 
 class _Block(nn.Module):

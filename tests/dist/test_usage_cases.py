@@ -1259,7 +1259,7 @@ def test_kept_params_never_outlive_an_update_fshard_cannot_see(how):
 
 
 def _keep_then_replace_data_worker():
-    ddp, model, reference = _beside_ddp(
+    _ddp, model, reference = _beside_ddp(
         lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)),
         lambda m: (m[0],),
         reshard_after_forward=False,
