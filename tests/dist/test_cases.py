@@ -26,13 +26,13 @@ from fshard.testing.models import (
 from tests.dist.probes import GatherProbe
 
 
-def check(spec, *, world_size=4, mesh_shape=None, ddp_kwargs=None, rtol=1e-5, atol=1e-6, **kwargs):
+def check(spec, *, world_size=4, mesh_shape=None, ddp_kwargs=None, rtol=1e-5, atol=1e-6, shard_fn=None, **kwargs):
     shard_kwargs = {k: kwargs.pop(k) for k in ("reshard_after_forward",) if k in kwargs}
     return assert_equivalent_to_ddp(
         functools.partial(build_model, spec),
         batch_fn=functools.partial(make_batch, spec),
         loss_fn=functools.partial(compute_loss, spec),
-        shard_fn=functools.partial(shard_model, spec, **shard_kwargs),
+        shard_fn=shard_fn or functools.partial(shard_model, spec, **shard_kwargs),
         world_size=world_size,
         mesh_shape=mesh_shape,
         ddp_kwargs=ddp_kwargs,
@@ -85,15 +85,7 @@ def test_reentrant_checkpointing_equals_ddp(where, mesh_shape, reshard_after_for
 
 @pytest.mark.parametrize("strategy", list(fshard.ShardingStrategy), ids=lambda s: s.name)
 def test_strategies_equal_ddp(strategy):
-    assert_equivalent_to_ddp(
-        functools.partial(build_model, GPT),
-        batch_fn=functools.partial(make_batch, GPT),
-        loss_fn=functools.partial(compute_loss, GPT),
-        shard_fn=functools.partial(_shard_with_strategy, strategy),
-        world_size=4,
-        steps=2,
-        grad_accum=2,
-    )
+    check(GPT, shard_fn=functools.partial(_shard_with_strategy, strategy), steps=2, grad_accum=2)
 
 
 def _shard_with_strategy(strategy, model, mesh):
@@ -641,14 +633,7 @@ def test_tied_weight_across_units_moves_to_common_unit():
 
 
 def test_tied_weight_across_units_equals_ddp():
-    assert_equivalent_to_ddp(
-        functools.partial(build_model, GPT),
-        batch_fn=functools.partial(make_batch, GPT),
-        loss_fn=functools.partial(compute_loss, GPT),
-        shard_fn=_shard_embed_and_head_separately,
-        world_size=2,
-        steps=2,
-    )
+    check(GPT, shard_fn=_shard_embed_and_head_separately, world_size=2, steps=2)
 
 
 def _shard_embed_and_head_separately(model, mesh):
@@ -823,11 +808,4 @@ def _shard_on_the_default_mesh(model, mesh):
 
 
 def test_the_default_mesh_is_1d_over_every_rank():
-    assert_equivalent_to_ddp(
-        functools.partial(build_model, GPT),
-        batch_fn=functools.partial(make_batch, GPT),
-        loss_fn=functools.partial(compute_loss, GPT),
-        shard_fn=_shard_on_the_default_mesh,
-        world_size=3,
-        steps=2,
-    )
+    check(GPT, shard_fn=_shard_on_the_default_mesh, world_size=3, steps=2)
