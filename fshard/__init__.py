@@ -11,6 +11,7 @@ from fshard import checkpoint, transforms  # public submodules
 from fshard._amp import ShardedGradScaler
 from fshard._api import (
     MemoryStats,
+    UnitInfo,
     UnshardHandle,
     clip_grad_norm_,
     fully_shard,
@@ -24,6 +25,7 @@ from fshard._api import (
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
+    units,
     unshard,
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
@@ -52,6 +54,8 @@ __all__ = [
     "ShardedParameter",
     "ShardingStrategy",
     "strategy_kwargs",
+    "units",
+    "UnitInfo",
     # control
     "no_sync",
     "set_requires_gradient_sync",

@@ -152,3 +152,56 @@ def test_set_reshard_after_forward_changes_the_backward_gathers(mesh_shape):
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
     for gathers in get_pool(world).run(_reshard_after_forward_worker, mesh_shape):
         assert gathers == [[], [], ["4", "2", "0"], []], gathers
+
+
+def _units_worker() -> list[tuple]:
+    from fshard.testing.models import TransformerSpec, build_model
+
+    model = build_model(TransformerSpec(vocab=11, dim=6, heads=2, layers=2, tie_embeddings=True))
+    assert fshard.units(model) == []  # nothing sharded yet
+    mesh = mesh_for((2,))
+    bf16 = fshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fshard.fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=False, mp_policy=bf16)
+    fshard.fully_shard(model.blocks[0], mesh=mesh, offload_policy=fshard.CPUOffload())
+    fshard.fully_shard([model.norm, model.head], mesh=mesh)  # one unit of two modules
+    fshard.fully_shard(model, mesh=mesh)
+    fshard.set_reshard_after_forward(model.blocks[0], False)  # read back as set since
+    found = fshard.units(model)
+    ids = {id(m): name for name, m in model.named_modules()}
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert all(fshard.is_sharded(p) for p in model.parameters())
+    owned = [name for u in found for name in u.param_names]
+    assert sorted(owned) == sorted(names.values())  # each parameter in exactly one unit
+    assert all(u.mesh is mesh for u in found)
+    rows = [
+        (u.fqn, tuple(ids[id(m)] for m in u.modules), u.reshard_after_forward,
+         u.mp_policy.param_dtype if u.mp_policy else None, u.offload_policy is not None)
+        for u in found
+    ]  # fmt: skip
+    sub = [(u.fqn, u.param_names) for u in fshard.units(model.blocks[1])]
+    # The tied embedding (the head's weight is the same parameter) is the head unit's until the
+    # root initialises on the first forward, which moves it to the root (the lowest module
+    # that contains both its users).
+    before = found[3].param_names
+    model(torch.zeros(1, 3, dtype=torch.long))
+    after = (fshard.units(model)[0].param_names, fshard.units(model)[3].param_names)
+    return [rows, sub, before, after]
+
+
+def test_units_reads_back_what_fully_shard_built():
+    for rows, sub, before, after in get_pool(2).run(_units_worker):
+        assert rows == [
+            ("", ("",), True, None, False),
+            ("blocks.0", ("blocks.0",), False, None, True),
+            ("blocks.1", ("blocks.1",), False, torch.bfloat16, False),
+            ("norm+head", ("norm", "head"), True, None, False),
+        ]
+        assert [fqn for fqn, _ in sub] == [""]  # relative to the module asked about
+        assert sub[0][1] and all(not name.startswith("blocks.") for name in sub[0][1])
+        assert before == ("norm.weight", "norm.bias", "embed.weight")
+        assert after == (("pos", "embed.weight"), ("norm.weight", "norm.bias"))
+
+
+def test_units_needs_a_module():
+    with pytest.raises(TypeError, match=r"fshard.units expects an nn.Module, got Tensor"):
+        fshard.units(torch.zeros(2))  # type: ignore[arg-type]
