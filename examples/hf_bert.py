@@ -17,9 +17,12 @@ after the script names it directly; with neither, examples/accelerate_config.yam
 
 The task is synthetic and learnable: label-1 sequences draw their tokens from the upper half of
 the vocabulary, label-0 sequences from the lower half.
-Rank 0 prints the units, then the loss of every step. `--save DIR` writes a checkpoint at the
-end in the config's `fsdp_state_dict_type`: SHARDED_STATE_DICT -> `fshard.checkpoint.save`
-(a directory of shards), FULL_STATE_DICT -> `DIR/model.safetensors` written by rank 0.
+Rank 0 prints the units the sharded model has (read from the model after `from_config`, each
+with its mesh, `reshard_after_forward`, offload and mixed-precision settings), then the loss of
+every step. `--save DIR` writes a checkpoint at the end in the config's `fsdp_state_dict_type`:
+SHARDED_STATE_DICT -> `fshard.checkpoint.save` (a directory of shards; `fshard consolidate DIR
+model.safetensors` makes one file of it), FULL_STATE_DICT -> `DIR/model.safetensors` written by
+rank 0.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 DEFAULT_CONFIG = Path(__file__).with_name("accelerate_config.yaml")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config_file", "--config-file", default=None,
                         help="accelerate config (default: $FSHARD_CONFIG_FILE, else accelerate_config.yaml here)")
@@ -57,7 +60,47 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint here at the end")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace) -> BertForSequenceClassification:
+    """The small random-weight BERT classifier of ``args`` (the same weights for the same seed)."""
+    bert_config = BertConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=max(64, args.seq_len),
+        num_labels=2,
+    )
+    torch.manual_seed(args.seed)  # the same random weights everywhere (rank 0's win anyway)
+    return BertForSequenceClassification(bert_config)
+
+
+def describe_units(model: torch.nn.Module) -> list[str]:
+    """One line per fshard unit of ``model``, in module order, with the settings it runs with
+    (read back from the sharded model by ``fshard.units``)."""
+
+    def dtype_name(dtype: torch.dtype | None) -> str:
+        return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+    lines = []
+    for unit in fshard.units(model):
+        mp = unit.mp_policy
+        precision = (
+            "none" if mp is None
+            else f"param {dtype_name(mp.param_dtype)}, reduce {dtype_name(mp.reduce_dtype)}, "
+                 f"output {dtype_name(mp.output_dtype)}"
+        )  # fmt: skip
+        kinds = "+".join(type(m).__name__ for m in unit.modules)
+        lines.append(
+            f"unit {unit.fqn or '(root)'} [{kinds}]: "
+            f"mesh {'x'.join(map(str, unit.mesh.shape))}, "
+            f"reshard_after_forward={unit.reshard_after_forward}, "
+            f"offload={unit.offload_policy is not None}, mixed precision: {precision}"
+        )
+    return lines
 
 
 def make_batch(args: argparse.Namespace, step: int, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,33 +129,25 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
-    bert_config = BertConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        intermediate_size=4 * args.hidden,
-        max_position_embeddings=max(64, args.seq_len),
-        num_labels=2,
-    )
-    torch.manual_seed(args.seed)  # the same random weights everywhere (rank 0's win anyway)
-    model = BertForSequenceClassification(bert_config)
+    model = build_model(args)
     model.to(device)  # buffers compute here too; with CPU offload fshard keeps the shards on the CPU
 
-    policy = cfg.wrap_policy(model)  # by_class(BertLayer) for the guide's config
-    units = fshard.select_modules(model, policy) if policy is not None else []
     fshard.from_config(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     if rank == 0:
-        n_params = sum(p.full_shape.numel() if fshard.is_sharded(p) else p.numel() for p in model.parameters())
+        params = list(model.parameters())
+        n_params = sum(p.full_shape.numel() if fshard.is_sharded(p) else p.numel() for p in params)
         print(
             f"BERT: {args.layers} layers, {n_params / 1e6:.2f}M parameters, {world} rank(s) on {device.type}; "
             f"config {config_source}: {cfg.sharding_strategy.name}, offload={cfg.offload_params}, "
             f"mixed_precision={cfg.mixed_precision.value}",
             flush=True,
         )
-        print(f"units: {', '.join(units) + ' + the root' if units else 'the root only'}", flush=True)
+        # What from_config built, read back from the model (not from the config).
+        print(f"sharded parameters: {sum(fshard.is_sharded(p) for p in params)} of {len(params)}", flush=True)
+        for line in describe_units(model):
+            print(line, flush=True)
 
     start = time.perf_counter()
     loss = torch.zeros(())

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,21 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int >= ``minimum``, else a usage error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state."""
     params = list(model.parameters())
@@ -190,7 +206,7 @@ def pick_device(choice: str) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="N or RxS (default: world size)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=at_least(1), default=20, help="optimizer steps in all (at least 1)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True, help="train a DDP replica alongside for comparison")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here and resume from the newest")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: only after the last step)")
+    parser.add_argument("--checkpoint-every", type=at_least(0), default=0, help="save every K steps (0: only after the last step)")
     parser.add_argument("--crash-at-step", type=int, default=None, help="testing: a rank kills itself at the start of this step (first attempt only)")
     parser.add_argument("--crash-rank", type=int, default=0, help="testing: the rank that --crash-at-step kills")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: a GPU per rank if there are enough, else CPU ranks over gloo")
