@@ -465,6 +465,8 @@ class _SafeReader(FileSystemReader):
                 )
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except _RefusedValue as exc:
+                raise CheckpointError(f"checkpoint data file {full}: {exc}") from None
             except CheckpointError:
                 raise
             except Exception as exc:  # re-raised naming the file
@@ -476,6 +478,22 @@ class _SafeReader(FileSystemReader):
         return fut
 
 
+class _RefusedValue(CheckpointError):
+    """A stored value ``torch.load(weights_only=True)`` refused; ``_SafeReader`` names its file."""
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The line of a ``torch.load(weights_only=True)`` refusal that says what was refused,
+    without torch's advice around it (which suggests ``weights_only=False``: not for files
+    that fail here)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    reasons = [line.split("error:", 1)[1].strip() for line in lines if "Unpickler error:" in line]
+    reasons = [reason for reason in reasons if reason]  # the reason may be on the next line
+    boilerplate = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    reasons += [line for line in lines if not line.startswith(boilerplate)]
+    return (reasons or lines or [type(exc).__name__])[0]
+
+
 class _SafePlanner(DefaultLoadPlanner):
     """Non-tensor values go through ``torch.load(weights_only=True)``, never plain unpickling."""
 
@@ -483,8 +501,12 @@ class _SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(
-                f"refusing to unpickle the value of {read_item.dest_index.fqn!r}: {exc}"
+            raise _RefusedValue(
+                f"refusing to unpickle the value of {read_item.dest_index.fqn!r} "
+                f"({_weights_only_reason(exc)}); load reads values that are not tensors with "
+                "torch.load(weights_only=True), which builds only tensors, numbers, strings and "
+                "containers: this file was not written by fshard.checkpoint.save, or was changed "
+                "since"
             ) from None
         self.state_dict[read_item.dest_index.fqn] = obj
         if self.flatten_state_dict:

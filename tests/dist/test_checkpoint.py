@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
@@ -9,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 import zlib
 from pathlib import Path
 
@@ -16,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import fshard
 import fshard.checkpoint as ckpt
@@ -481,6 +487,62 @@ def test_loading_never_unpickles_arbitrary_objects(saved_2, tmp_path):
         get_pool(2).run(_load_only_task, str(path))
     assert all("refusing to load posix.system" in str(e) for e in info.value.errors.values())
     assert not os.path.exists(_Boom.marker)
+
+
+def _plant_in_data_file(path: Path, fqn: str, payload: bytes) -> Path:
+    """Make ``payload`` the stored value of ``fqn``: appended to the ``.distcp`` file that holds
+    the value, DCP's index pointed at it, and the manifest's sizes and CRCs updated (as whoever
+    tampers with a checkpoint would). Returns the data file."""
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own file, written by DCP
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    info = metadata.storage_data[index]
+    victim = path / info.relative_path
+    offset = victim.stat().st_size
+    with open(victim, "ab") as f:
+        f.write(payload)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload))
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    for rel in (info.relative_path, ".metadata"):
+        _refresh_file_entry(path, rel)
+    return victim
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dumps"])
+def test_a_pickled_object_inside_a_data_file_is_refused_naming_the_file(tmp_path, writer):
+    """DCP stores values that are not tensors (a module's extra state: its string here) as
+    pickles inside the ``.distcp`` files, and its own reader unpickles them freely."""
+    path = tmp_path / "evil"
+    get_pool(2).run(_extra_state_task, str(path), True)
+    _Boom.marker = str(tmp_path / "pwned")
+    buffer = io.BytesIO()
+    if writer == "torch.save":
+        torch.save(_Boom(), buffer)
+    else:  # a bare pickle (torch.load's legacy format); protocol 2, which its unpickler reads
+        buffer.write(pickle.dumps(_Boom(), protocol=2))
+    victim = _plant_in_data_file(path, "model.0._extra_state.tag", buffer.getvalue())
+    with pytest.raises(RanksFailed) as info:
+        get_pool(2).run(_extra_state_task, str(path), False)
+    assert sorted(info.value.errors) == [0, 1]
+    for error in info.value.errors.values():
+        assert isinstance(error, ckpt.CheckpointError), error
+        message = str(error)
+        assert str(victim) in message and "'model.0._extra_state.tag'" in message, message
+        assert "posix.system" in message, message
+    assert not os.path.exists(_Boom.marker)
+    # The payload is live: DCP's own reader runs it (so the check above can fail).
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns when it runs without a process group
+            dcp.load(
+                {"model": {"0._extra_state": {"tag": ""}}},
+                checkpoint_id=str(path),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
+    except (Exception, CheckpointException):  # a bare pickle runs, then fails torch's format check
+        assert writer == "pickle.dumps"
+    assert os.path.exists(_Boom.marker)
 
 
 @pytest.mark.parametrize(
