@@ -196,6 +196,51 @@ def test_mixed_precision_options_are_validated():
         fshard.MixedPrecision(cast_forward_inputs="yes")  # type: ignore[arg-type]
 
 
+class _SeesInputs(nn.Module):
+    """Records the dtypes it computes with (its weight's, then its inputs'); computes in the
+    weight's dtype whatever the inputs'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = self.lin.weight.dtype
+        self.seen.append(tuple(t.dtype for t in (self.lin.weight, x, ids, scale) if t is not None))
+        out = self.lin(x.to(dtype)) + ids.to(dtype)[:, None]
+        return out if scale is None else out * scale.to(dtype)
+
+
+def _cast_forward_inputs_worker(cast: bool) -> tuple[list[tuple[torch.dtype, ...]], torch.dtype]:
+    torch.manual_seed(0)
+    model = _SeesInputs()
+    policy = fshard.MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=cast)
+    fshard.fully_shard(model, mesh=mesh_for((2,)), mp_policy=policy)
+    x = torch.randn(3, 4, requires_grad=True)
+    ids = torch.arange(3)
+    model(x, ids).float().sum().backward()  # tensors only, positional
+    scale = torch.full((1,), 2.0, dtype=torch.float64)
+    model(x, ids, scale=scale).float().sum().backward()  # and a keyword argument
+    return model.seen, x.grad.dtype
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_forward_inputs_decides_whether_floating_inputs_are_cast(cast):
+    """Floating inputs, positional or keyword, reach the module in ``param_dtype`` with
+    ``cast_forward_inputs=True`` and as they were passed with ``False``; integer inputs are
+    never cast. The parameters are in ``param_dtype`` either way, and the input's gradient
+    comes back in its own dtype."""
+    bf16, fp32, fp64, i64 = torch.bfloat16, torch.float32, torch.float64, torch.int64
+    if cast:
+        want = [(bf16, bf16, i64), (bf16, bf16, i64, bf16)]
+    else:
+        want = [(bf16, fp32, i64), (bf16, fp32, i64, fp64)]
+    for seen, grad_dtype in get_pool(2).run(_cast_forward_inputs_worker, cast):
+        assert seen == want
+        assert grad_dtype == fp32
+
+
 def _bf16_accumulation_worker(mesh_shape, reduce_scatter, micro_batches=12):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))

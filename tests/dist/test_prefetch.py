@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -38,6 +39,36 @@ def _configure(model, prefetch):
         fshard.set_prefetch(model, backward=prefetch)
 
 
+class _Mark(torch.autograd.Function):
+    """The identity; its backward calls ``record(event)``, the moment autograd gets there."""
+
+    @staticmethod
+    def forward(ctx, x, record, event):
+        ctx.record, ctx.event = record, event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record(ctx.event)
+        return grad, None, None
+
+
+def _mark_compute(block, label, record):
+    """Record, from inside ``block``'s own forward (after fshard's pre-forward hook, before its
+    post-forward hook), ``("compute", label)`` as its forward compute starts; in backward,
+    ``("backward_compute", label)`` as its backward compute starts (its output's gradient came
+    and fshard's pre-backward hook on that output ran) and ``("backward_done", label)`` once
+    it is done (its input's gradient computed, before fshard learns so)."""
+    body = block.forward
+
+    def body_with_marks(x):
+        record(("compute", label))
+        out = body(_Mark.apply(x, record, ("backward_done", label)))
+        return _Mark.apply(out, record, ("backward_compute", label))
+
+    block.forward = body_with_marks
+
+
 def _events_worker(prefetch, reshard_after_forward=True):
     rank = dist.get_rank()
     model = build_model(SPEC)
@@ -48,6 +79,13 @@ def _events_worker(prefetch, reshard_after_forward=True):
     for i, block in enumerate(model.blocks):  # registered after fshard's hooks: run after them
         block.register_forward_pre_hook(lambda m, a, i=i: events.append(("start", f"blocks.{i}")))
         block.register_forward_hook(lambda m, a, o, i=i: events.append(("end", f"blocks.{i}")))
+        _mark_compute(block, f"blocks.{i}", events.append)
+    wait = fshard._collectives.wait
+
+    def recorded_wait(work, *, op, label):  # when fshard waits for a collective it issued
+        if work is not None:
+            events.append(("wait", op, label))
+        wait(work, op=op, label=label)
 
     def units_alive() -> int:
         units = set()
@@ -66,7 +104,8 @@ def _events_worker(prefetch, reshard_after_forward=True):
             peak[0] = max(peak[0], units_alive())
             events.append((record.op, record.label, record.async_op))
 
-        with trace_collectives(on_record=sample):
+        waits = mock.patch.object(fshard._collectives, "wait", recorded_wait)
+        with trace_collectives(on_record=sample), waits:
             loss = compute_loss(SPEC, model, make_batch(SPEC, step, rank))
             events.append(("backward",))
             loss.backward()
@@ -91,8 +130,12 @@ def test_forward_prefetch_issues_the_next_gather_before_the_current_unit_ends():
     for k in range(SPEC.layers - 1):
         gather_next = _index(events, "all_gather", f"blocks.{k + 1}")
         assert events[gather_next][2] is True  # asynchronous
-        assert gather_next < _index(events, "end", f"blocks.{k}")
         assert gather_next > _index(events, "all_gather", f"blocks.{k}")
+        # In flight while unit k computes: issued before its forward compute starts (not in its
+        # post-forward, which overlaps nothing), waited on only after that compute.
+        compute = _index(events, "compute", f"blocks.{k}")
+        assert gather_next < compute, events
+        assert compute < _index(events, "wait", "all_gather", f"blocks.{k + 1}"), events
 
 
 def test_backward_prefetch_pre_issues_before_the_current_unit_reduces():
@@ -102,6 +145,13 @@ def test_backward_prefetch_pre_issues_before_the_current_unit_reduces():
         gather_prev = _index(backward, "all_gather", f"blocks.{k - 1}")
         assert backward[gather_prev][2] is True
         assert gather_prev < _index(backward, "reduce_scatter", f"blocks.{k}")
+        # BACKWARD_PRE: issued at unit k's pre-backward, before its backward compute starts
+        # (BACKWARD_POST's moment is after it), and waited on once that compute is done.
+        assert gather_prev > _index(backward, "all_gather", f"blocks.{k}"), backward
+        assert gather_prev < _index(backward, "backward_compute", f"blocks.{k}"), backward
+        waited = _index(backward, "wait", "all_gather", f"blocks.{k - 1}")
+        assert _index(backward, "backward_done", f"blocks.{k}") < waited, backward
+        assert waited < _index(backward, "backward_compute", f"blocks.{k - 1}"), backward
 
 
 @pytest.mark.parametrize("policy", ["BACKWARD_POST", "NO_PREFETCH"])
@@ -110,14 +160,35 @@ def test_backward_prefetch_post_and_none(policy):
     backward = events[_index(events, "backward") :]
     for k in range(SPEC.layers - 1, 0, -1):
         gather_prev = _index(backward, "all_gather", f"blocks.{k - 1}")
+        # Both: not before unit k's backward compute is done (BACKWARD_PRE's moment is
+        # before it starts), and before unit k-1's backward compute, which needs it.
+        assert _index(backward, "backward_done", f"blocks.{k}") < gather_prev, backward
+        assert gather_prev < _index(backward, "backward_compute", f"blocks.{k - 1}"), backward
         if policy == "BACKWARD_POST":
             # Issued once unit k is freed (which is before its gradients are reduced, as in
             # FSDP1), not when its backward starts.
             assert _index(backward, "all_gather", f"blocks.{k}") < gather_prev
-            assert gather_prev < _index(backward, "reduce_scatter", f"blocks.{k - 1}")
+            assert gather_prev < _index(backward, "reduce_scatter", f"blocks.{k}"), backward
         else:
             assert gather_prev > _index(backward, "reduce_scatter", f"blocks.{k}")
         assert backward[gather_prev][2] is (policy == "BACKWARD_POST")
+
+
+def test_backward_reduce_scatter_is_in_flight_during_the_next_units_backward():
+    """Unit k's reduce-scatter is issued asynchronously once its backward compute is done,
+    and waited on only after unit k-1's backward compute (when unit k-1's own is issued), not
+    at once: the reduction overlaps the next unit's backward."""
+    events, *_ = get_pool(2).run(_events_worker, None)[0]
+    backward = events[_index(events, "backward") :]
+    for k in range(SPEC.layers - 1, 0, -1):
+        reduce = _index(backward, "reduce_scatter", f"blocks.{k}")
+        assert backward[reduce][2] is True, backward  # asynchronous
+        assert _index(backward, "backward_done", f"blocks.{k}") < reduce, backward
+        assert reduce < _index(backward, "backward_compute", f"blocks.{k - 1}"), backward
+        waited = _index(backward, "wait", "reduce_scatter", f"blocks.{k}")
+        assert _index(backward, "backward_done", f"blocks.{k - 1}") < waited, backward
+        # At most one in flight: waited on as the next one is issued.
+        assert _index(backward, "reduce_scatter", f"blocks.{k - 1}") < waited, backward
 
 
 def test_forward_prefetch_can_be_turned_off():
@@ -136,6 +207,12 @@ def test_explicit_prefetch_lists_are_honoured():
     backward = events[_index(events, "backward") :]
     gather_1 = _index(backward, "all_gather", "blocks.1")
     assert backward[gather_1][2] is True and gather_1 < _index(backward, "reduce_scatter", "blocks.3")
+    # An explicit backward list is issued at the unit's pre-backward (BACKWARD_PRE), before
+    # blocks.3's backward compute starts, and blocks.2 is not prefetched by anyone.
+    assert gather_1 < _index(backward, "backward_compute", "blocks.3"), backward
+    gather_2 = _index(backward, "all_gather", "blocks.2")
+    assert backward[gather_2][2] is False, backward
+    assert gather_2 > _index(backward, "backward_done", "blocks.3"), backward
 
 
 def test_gathered_units_alive_at_once_are_bounded():
@@ -180,13 +257,21 @@ def _backward_peak_worker(policy):
     model = build_model(SPEC)
     shard_model(SPEC, model, mesh_for((2,)))
     fshard.set_prefetch(model, forward=False, backward=policy)
+    at_compute = {}  # gathered bytes as each block's backward compute starts
+
+    def sample(event):
+        if event[0] == "backward_compute":
+            at_compute[event[1]] = fshard.memory_stats().gathered_bytes
+
+    for i, block in enumerate(model.blocks):
+        _mark_compute(block, f"blocks.{i}", sample)
     batch = make_batch(SPEC, 0, dist.get_rank())
     compute_loss(SPEC, model, batch).backward()  # records the order
     loss = compute_loss(SPEC, model, batch)
     base = fshard.memory_stats().gathered_bytes
     fshard.reset_peak_memory_stats()
     loss.backward()
-    return fshard.memory_stats().peak_gathered_bytes - base
+    return fshard.memory_stats().peak_gathered_bytes - base, at_compute
 
 
 def test_backward_prefetch_holds_no_more_than_no_prefetch():
@@ -195,8 +280,16 @@ def test_backward_prefetch_holds_no_more_than_no_prefetch():
     on, after the current unit was freed: in flight it holds its all-gather output, as large as
     the output a gather without prefetch holds beside the unit's params (equal blocks here)."""
     pool = get_pool(2)
-    pre, post, none = (pool.run(_backward_peak_worker, p)[0] for p in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"))
+    (pre, pre_at), (post, post_at), (none, none_at) = (
+        pool.run(_backward_peak_worker, p)[0] for p in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+    )
     assert pre == post == none
+    # ... and BACKWARD_PRE does have that output in flight while a block's backward computes
+    # (but blocks.0, the last the backward reaches); the others have nothing in flight then.
+    assert post_at == none_at, (post_at, none_at)
+    in_flight = {label: pre_at[label] - post_at[label] for label in pre_at}
+    assert in_flight.pop("blocks.0") == 0, (pre_at, post_at)
+    assert len(set(in_flight.values())) == 1 and min(in_flight.values()) > 0, (pre_at, post_at)
 
 
 class _Skippable(nn.Module):

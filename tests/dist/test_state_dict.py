@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 import re
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import fshard
 from fshard import transforms
-from fshard.testing import RanksFailed, get_pool, mesh_for
+from fshard.testing import RanksFailed, get_pool, mesh_for, trace_collectives
 from tests.dist import _sd_common as C
 
 # ------------------------------------------------------------------------------------- tasks
@@ -206,7 +207,48 @@ def _broadcast_task(mesh_shape, src_seed):
         p._fshard_slot.layout.slot_numel * p.element_size() for p in model.parameters()
     )
     full_bytes = {n: p.full_shape.numel() * p.element_size() for n, p in model.named_parameters()}
-    return {"largest": recorder.largest, "slot": slot_bytes, "full": full_bytes}
+    padded = _padded_bytes(model)
+    return {"largest": recorder.largest, "slot": slot_bytes, "full": full_bytes, "padded": padded}
+
+
+def _padded_bytes(model):
+    """The largest parameter padded to whole shards: what rank 0 scatters at once."""
+    return max(
+        p._fshard_slot.mesh_info.shard_size * p._fshard_slot.layout.slot_numel * p.element_size()
+        for p in model.parameters()
+    )
+
+
+def _broadcast_memory_task(mesh_shape):
+    """What rank 0 allocates while it loads a model of 16 equal weights (and their biases)
+    into the others: the largest allocation, and the bytes allocated before each scatter
+    (since the one before)."""
+    from fshard.testing.models import MLPSpec, build_model, shard_model
+
+    spec = MLPSpec(in_dim=128, widths=(128,) * 16, seed=1)
+    want = build_model(spec).state_dict()
+    other = MLPSpec(in_dim=128, widths=(128,) * 16, seed=2)
+    model = shard_model(other, build_model(other), mesh_for(mesh_shape))
+    full = want if dist.get_rank() == 0 else None
+    recorder = C.AllocationRecorder()
+    scatters: list[int] = []  # len(recorder.sizes) as each scatter is issued
+
+    def on_record(record):
+        if record.op == "scatter":
+            scatters.append(len(recorder.sizes))
+
+    with trace_collectives(on_record=on_record), recorder:
+        fshard.load_state_dict(model, full, broadcast_from_rank0=True)
+    C.assert_same_tensors(C.full_params(model), want, what="broadcast_from_rank0")
+    bounds = [0, *scatters]
+    slot_bytes = max(p._fshard_slot.layout.slot_numel * p.element_size() for p in model.parameters())
+    return {
+        "largest": recorder.largest,
+        "per_scatter": [sum(recorder.sizes[a:b]) for a, b in itertools.pairwise(bounds)],
+        "padded": _padded_bytes(model),
+        "slot": slot_bytes,
+        "model": sum(v.numel() * v.element_size() for v in want.values()),
+    }
 
 
 def _init_module(module):
@@ -413,11 +455,30 @@ def test_optim_state_dict_is_keyed_by_name_and_reshards(src_mesh, dst_mesh, kind
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_load_from_rank0_equals_eager_and_other_ranks_never_hold_a_full_param(mesh_shape):
     results = get_pool(4).run(_broadcast_task, mesh_shape, 5)
+    # Rank 0's largest allocation is one padded parameter (what it scatters), not the model.
+    rank0 = results[0]
+    assert rank0["largest"] <= rank0["padded"] < sum(rank0["full"].values()), rank0
     for rank, r in enumerate(results[1:], start=1):
         assert r["largest"] <= r["slot"], (rank, r)
         big = {n: b for n, b in r["full"].items() if b > r["slot"]}
         assert big, "the model must have params larger than a shard for this test to mean much"
         assert r["largest"] < min(big.values()), (rank, r)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_load_from_rank0_streams_one_param_at_a_time_on_rank0(mesh_shape):
+    """Rank 0 allocates one padded parameter (the chunks it scatters) and its own shard of
+    it, then scatters it, parameter after parameter: no buffer the size of the model (16
+    times as large), nor every parameter's chunks before the first scatter. (Counted in
+    fshard's allocations between scatters, not as the allocator's peak, which varies from
+    run to run with when the backend's copies of a scatter's input are freed.)"""
+    rank0 = get_pool(4).run(_broadcast_memory_task, mesh_shape)[0]
+    assert rank0["largest"] <= rank0["padded"], rank0
+    assert len(rank0["per_scatter"]) == 32  # one scatter per parameter
+    one_param = rank0["padded"] + rank0["slot"]
+    assert one_param < rank0["model"] / 8, rank0  # the test can tell
+    # (The first scatter also follows the ranks' agreement on the keys: a few small objects.)
+    assert max(rank0["per_scatter"]) <= one_param + 16384, rank0
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
