@@ -15,7 +15,7 @@ import torch
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
-from fshard.testing import assert_equivalent_to_ddp
+from fshard.testing import RankPool, assert_equivalent_to_ddp
 from fshard.testing import strategies as fst
 from fshard.testing.models import (
     MLPSpec,
@@ -39,8 +39,8 @@ TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-9, 1e-11)}
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> dict:
-    world_size = draw(st.integers(1, 4))
+def cases(draw: st.DrawFn, world_sizes: tuple[int, ...] = (1, 2, 3, 4)) -> dict:
+    world_size = draw(st.sampled_from(world_sizes))
     optimizer = draw(st.sampled_from(sorted(OPTIMIZERS)))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     spec: ModelSpec = draw(fst.model_specs(dtype=dtype))
@@ -61,12 +61,12 @@ def cases(draw: st.DrawFn) -> dict:
     }
 
 
-def run_case(case: dict) -> None:
+def run_case(case: dict, *, device: str = "cpu", pool: RankPool | None = None) -> None:
     spec = case["spec"]
     unused = isinstance(spec, MLPSpec) and spec.skip_layer is not None
     report = assert_equivalent_to_ddp(
-        functools.partial(build_model, spec),
-        batch_fn=functools.partial(make_batch, spec),
+        functools.partial(build_model, spec, device=device),
+        batch_fn=functools.partial(make_batch, spec, device=device),
         loss_fn=functools.partial(compute_loss, spec),
         shard_fn=functools.partial(shard_model, spec, reshard_after_forward=case["reshard_after_forward"]),
         optim_fn=OPTIMIZERS[case["optimizer"]],
@@ -79,6 +79,7 @@ def run_case(case: dict) -> None:
         ddp_kwargs={"find_unused_parameters": True} if unused else None,
         rtol=TOLERANCES[spec.dtype][0],
         atol=TOLERANCES[spec.dtype][1],
+        pool=pool,
     )
     note(f"max parameter difference vs DDP: {report.max_param_diff:.3g}")
 

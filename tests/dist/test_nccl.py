@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
 
 import fshard
 from fshard.testing import RankPool, assert_equivalent_to_ddp, mesh_for
@@ -24,6 +25,7 @@ from fshard.testing.models import (
     make_batch,
     shard_model,
 )
+from tests.dist.test_equivalence import cases, run_case
 
 GPT = TransformerSpec(vocab=37, dim=12, heads=3, layers=2, seq=7)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -75,6 +77,13 @@ def test_nccl_training_equals_ddp(nccl_pool, spec, reshard_after_forward):
             grad_accum=2,
             pool=nccl_pool,
         )
+
+
+@given(case=cases(world_sizes=(max(1, min(GPUS, 4)),)))
+def test_nccl_property_training_equals_ddp(nccl_pool, case):
+    """The core property of tests/dist/test_equivalence.py, drawn the same way (models, meshes,
+    resharding, optimizers, steps, accumulation), on the GPUs over NCCL."""
+    run_case(case, device="cuda", pool=nccl_pool)
 
 
 # ------------------------------------------------------------- the knobs, on the accelerator
