@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import shlex
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["LaunchPlan", "build_parser", "main", "plan_launch"]
 
@@ -50,6 +52,14 @@ accelerate), num_machines, machine_rank, main_process_ip, main_process_port, rdz
 and gpu_ids. Flags override the file. The file's path reaches the script as
 $FSHARD_CONFIG_FILE, so `fshard.from_config(model)` with no config argument applies it.
 
+torchrun's other launcher options (--tee, --redirects, --log-dir, --local-ranks-filter,
+--monitor-interval, --start-method, --role, --rdzv-conf, --run-path, --no-python, ...: those
+of the installed torch, see `python -m torch.distributed.run --help`) may come before SCRIPT,
+spelled in full, as --flag VALUE or --flag=VALUE; they are passed on to torchrun in the
+order given, before SCRIPT (--dry-run shows them). torchrun's --rdzv-endpoint and
+--standalone are refused, since fshard launch sets the rendezvous from its own flags; a
+--local-addr replaces the 127.0.0.1 that fshard launch passes for a loopback rendezvous.
+
 Everything after SCRIPT is passed to the script, except that an option there which is an
 ambiguous abbreviation of a launcher option stops the launch (as with torchrun); see the
 launching guide for the `--` that passes such options through.
@@ -62,6 +72,9 @@ examples:
 
   # the layout and FSDP options of an accelerate config file
   fshard launch --config_file examples/accelerate_config.yaml examples/hf_bert.py
+
+  # torchrun's own options pass through: each rank's output to logs/, and also to the console
+  fshard launch --nproc 2 --log-dir logs --tee 3 train.py
 
   # two machines, 8 processes each: run the same command on both (c10d rendezvous at
   # 10.0.0.1, the first machine; nodes may start in any order)
@@ -208,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     # argparse marks a REMAINDER positional required, so a bare `fshard launch` would say
     # "required: SCRIPT, ARGS"; the script's arguments are optional.
     script_args.required = False
+    # torchrun's own options before SCRIPT: main() takes them out of the command line before
+    # this parser sees it (see _split_launch_words).
+    launch.set_defaults(torchrun_options=())
 
     consolidate = commands.add_parser(
         "consolidate",
@@ -250,6 +266,133 @@ class LaunchError(ValueError):
     """A bad combination of ``fshard launch`` flags and config values."""
 
 
+class TorchrunOption(NamedTuple):
+    """One of torchrun's own options given to ``fshard launch`` before SCRIPT, passed on as given."""
+
+    dest: str  # torchrun's name for it (``log_dir``)
+    words: tuple[str, ...]  # ("--log-dir", "logs"), ("--log-dir=logs",) or ("--no-python",)
+
+
+class LaunchWords(NamedTuple):
+    """``fshard launch``'s command line split for the two parsers (see ``_split_launch_words``)."""
+
+    fshard: list[str]  # fshard launch's own options, SCRIPT and the script's arguments
+    torchrun: tuple[TorchrunOption, ...]  # torchrun's options to pass on, in the order given
+
+
+# torchrun options that are spellings of an fshard launch flag (torchrun dest -> fshard's flag).
+# Today fshard's parser knows all their spellings; a spelling that a newer torch adds maps here.
+_TORCHRUN_ALIASES = {
+    "nnodes": "--nnodes",
+    "nproc_per_node": "--nproc",
+    "node_rank": "--node-rank",
+    "master_addr": "--master-addr",
+    "master_port": "--master-port",
+    "rdzv_backend": "--rdzv-backend",
+    "rdzv_id": "--rdzv-id",
+    "max_restarts": "--max-restarts",
+    "module": "--module",
+}
+# torchrun options that fshard launch sets itself without a flag of the same meaning -> what to
+# pass instead. (--local-addr is not here: a given one replaces fshard's, see plan_launch.)
+_SET_BY_FSHARD = {
+    "rdzv_endpoint": "fshard launch sets it from --master-addr and --master-port; pass "
+    "--master-addr HOST --master-port PORT instead",
+    "standalone": "fshard launch sets the rendezvous itself, and on one machine it already is a "
+    "local one (127.0.0.1 at a free port); leave --standalone out (--master-port PORT picks the port)",
+}
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Option string -> action (argparse keeps them only in ``_actions``)."""
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def _value_count(action: argparse.Action) -> int:
+    """How many words after the option are its values (without ``=VALUE``)."""
+    if action.nargs is None:
+        return 1
+    if isinstance(action.nargs, int):
+        return action.nargs
+    # '?', '*', '+': a value only in the --flag=VALUE form, so that SCRIPT is never taken for one.
+    return 0
+
+
+def _looks_like_an_option(word: str) -> bool:
+    # As argparse sees it: neither parser has an option that looks like a negative number.
+    return word.startswith("-") and not re.fullmatch(r"-\d+|-\d*\.\d+", word)
+
+
+def _split_launch_words(
+    words: Sequence[str], launch: argparse.ArgumentParser, torchrun: argparse.ArgumentParser
+) -> LaunchWords:
+    """Take torchrun's own options out of ``fshard launch``'s words (those after ``launch``).
+
+    Only the options before SCRIPT are looked at: SCRIPT is the first word that is neither an
+    option nor an option's value, or the one after ``--``. An option of fshard launch (any
+    spelling its parser has, or an abbreviation of one) stays for fshard's parser. One that
+    torchrun's parser knows by that exact spelling is passed on, as ``--flag VALUE`` or
+    ``--flag=VALUE`` (bare when it takes no value), unless it is another spelling of an fshard
+    launch flag (then it becomes that flag). Anything else stays for fshard's parser, which
+    refuses it. Raises ``LaunchError`` naming the option for a torchrun option that fshard
+    launch sets itself, or for a missing or unexpected value.
+
+    Example:
+        >>> from torch.distributed.run import get_args_parser
+        >>> from fshard.cli import _split_launch_words, _subparser, build_parser
+        >>> split = _split_launch_words(["--nproc", "2", "--tee", "3", "train.py", "--tee", "1"],
+        ...                             _subparser(build_parser(), "launch"), get_args_parser())
+        >>> split.fshard
+        ['--nproc', '2', 'train.py', '--tee', '1']
+        >>> split.torchrun
+        (TorchrunOption(dest='tee', words=('--tee', '3')),)
+    """
+    fshard_actions = _option_actions(launch)
+    torchrun_actions = _option_actions(torchrun)
+    kept: list[str] = []
+    passed: list[TorchrunOption] = []
+    i = 0
+    while i < len(words) and words[i] != "--" and _looks_like_an_option(words[i]):
+        word = words[i]
+        name, equals, value = word.partition("=")
+        short = word[:2]
+        if (
+            not equals and not word.startswith("--") and len(word) > 2 and short not in fshard_actions
+            and short in torchrun_actions and _value_count(torchrun_actions[short])
+        ):  # fmt: skip
+            name, equals, value = short, "=", word[2:]  # -t3, as argparse reads it
+        action = fshard_actions.get(name)
+        if action is None and name in torchrun_actions:
+            dest = torchrun_actions[name].dest
+            if dest in _SET_BY_FSHARD:
+                raise LaunchError(f"argument {name}: {_SET_BY_FSHARD[dest]}")
+            if dest in _TORCHRUN_ALIASES:  # another spelling of an fshard launch flag
+                name = _TORCHRUN_ALIASES[dest]
+                word = f"{name}={value}" if equals else name
+                action = fshard_actions[name]
+            else:
+                torchrun_action = torchrun_actions[name]
+                count = 0 if equals else _value_count(torchrun_action)
+                if equals and torchrun_action.nargs == 0:
+                    raise LaunchError(f"argument {name}: ignored explicit argument {value!r}")
+                values = words[i + 1 : i + 1 + count]
+                if len(values) < count or any(_looks_like_an_option(v) for v in values):
+                    expected = "one argument" if count == 1 else f"{count} arguments"
+                    raise LaunchError(f"argument {name}: expected {expected}")
+                passed.append(TorchrunOption(torchrun_action.dest, (word, *values)))
+                i += 1 + count
+                continue
+        if action is None and name.startswith("--"):
+            # An abbreviation that fshard's parser expands (--nnode 2): its value is skipped too.
+            matches = {fshard_actions[option] for option in fshard_actions if option.startswith(name)}
+            action = matches.pop() if len(matches) == 1 else None
+        # An option of fshard launch, or one that its parser refuses (with the accelerate hints).
+        count = 0 if equals or action is None else _value_count(action)
+        kept += [word, *words[i + 1 : i + 1 + count]]
+        i += 1 + count
+    return LaunchWords(fshard=[*kept, *words[i:]], torchrun=tuple(passed))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -276,8 +419,10 @@ def plan_launch(
     Flags win over the config file, which wins over the defaults (one machine, one process,
     127.0.0.1, a free port). Several machines need an address for machine 0 (a flag or
     ``main_process_ip``); on one machine the file's ``main_process_ip`` is not used (as in
-    ``accelerate launch``), only its ``main_process_port``. Raises ``LaunchError`` naming the
-    flag or key for an impossible layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
+    ``accelerate launch``), only its ``main_process_port``. torchrun's own options
+    (``args.torchrun_options``, taken out of the command line by ``main``) follow fshard's, in
+    the order given, before SCRIPT. Raises ``LaunchError`` naming the flag or key for an
+    impossible layout. Without ``--config_file``, a ``$FSHARD_CONFIG_FILE`` in ``environ`` (default: this
     process's environment; left over from an earlier launch or an export) is removed for the
     script, so that ``fshard.from_config(model)`` never applies a file this launch was not given.
 
@@ -347,6 +492,10 @@ def plan_launch(
     backend = args.rdzv_backend or layout.rdzv_backend or _DEFAULT_RDZV
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    passed: tuple[TorchrunOption, ...] = tuple(args.torchrun_options)
+    passed_dests = {option.dest for option in passed}
+    if args.module and "no_python" in passed_dests:
+        raise LaunchError("-m runs SCRIPT as a Python module and --no-python as a program; pass one of them")
 
     torchrun = [
         "--nnodes", str(nnodes),
@@ -358,10 +507,11 @@ def plan_launch(
         torchrun += ["--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
     else:
         torchrun += ["--rdzv-endpoint", f"{addr}:{port}", "--rdzv-id", args.rdzv_id]
-    if _is_loopback(addr):
+    if _is_loopback(addr) and "local_addr" not in passed_dests:
         # Workers reach rank 0 at this address instead of the machine's FQDN, which need not
-        # resolve on an isolated host.
+        # resolve on an isolated host. A --local-addr given to fshard launch is passed instead.
         torchrun += ["--local-addr", addr]
+    torchrun += [word for option in passed for word in option.words]
     if args.module:
         torchrun.append("--module")
     torchrun += [args.script, *args.script_args]
@@ -403,7 +553,11 @@ def _exit_status(exitcode: int) -> int:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    if not (args.module or args.dry_run) and not Path(args.script).is_file():
+    no_python = any(option.dest == "no_python" for option in args.torchrun_options)
+    if no_python and not args.dry_run and shutil.which(args.script) is None:
+        _error(f"launch: program {args.script!r} not found (--no-python runs SCRIPT as a program)")
+        return 2
+    if not (args.module or no_python or args.dry_run) and not Path(args.script).is_file():
         _error(f"launch: script {args.script!r} does not exist (use -m to run a module)")
         return 2
     try:
@@ -570,6 +724,45 @@ def _accelerate_hint(word: str) -> str | None:
     return None
 
 
+def _torchrun_hint(word: str, torchrun: argparse.ArgumentParser) -> str | None:
+    """For an abbreviation of torchrun options (``--log-d``): their full spellings (``None``: not one)."""
+    name = word.split("=", 1)[0]
+    if not name.startswith("--"):
+        return None
+    matches = [option for option in _option_actions(torchrun) if option.startswith(name)]
+    if not matches:
+        return None
+    return f"{name}: torchrun's options pass through spelled in full ({', '.join(matches)})"
+
+
+def _parse_launch(parser: argparse.ArgumentParser, words: Sequence[str], at: int) -> argparse.Namespace:
+    """Parse the command line ``words`` whose command, ``words[at]``, is ``launch``.
+
+    torchrun's own options before SCRIPT are taken out first (``_split_launch_words``) and end
+    up in ``args.torchrun_options``. Errors exit with launch's usage, as argparse's do.
+    """
+    from torch.distributed.run import get_args_parser
+
+    launch = _subparser(parser, "launch")
+    torchrun = get_args_parser()  # the installed torch's options, whatever its version
+    try:
+        split = _split_launch_words(words[at + 1 :], launch, torchrun)
+    except LaunchError as exc:
+        launch.error(str(exc))
+    args, unknown = parser.parse_known_args([*words[: at + 1], *split.fshard])
+    if unknown:
+        # Only words before SCRIPT can be unknown (the rest belong to the script), so these
+        # are launcher flags, often `accelerate launch` ones: answer with launch's usage.
+        options = [word for word in unknown if word.startswith("-")]
+        hints = [_accelerate_hint(word) or _torchrun_hint(word, torchrun) for word in options]
+        launch.error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+            + "".join(f"\n  hint: {hint}" for hint in dict.fromkeys(h for h in hints if h))
+        )
+    args.torchrun_options = split.torchrun
+    return args
+
+
 def _error(message: str) -> None:
     print(f"fshard {message}", file=sys.stderr)
 
@@ -592,16 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"planned); the commands are {', '.join(_COMMANDS)}.{_PLANNED_COMMANDS[command]}"
         )
     if command == "launch":
-        args, unknown = parser.parse_known_args(words)
-        if unknown:
-            # Only words before SCRIPT can be unknown (the rest belong to the script), so these
-            # are launcher flags, often `accelerate launch` ones: answer with launch's usage.
-            launch = _subparser(parser, "launch")
-            hints = [_accelerate_hint(word) for word in unknown if word.startswith("-")]
-            launch.error(
-                f"unrecognized arguments: {' '.join(unknown)}"
-                + "".join(f"\n  hint: {hint}" for hint in dict.fromkeys(h for h in hints if h))
-            )
+        args = _parse_launch(parser, words, words.index(command))
     else:
         args = parser.parse_args(words)
     if args.command == "launch":

@@ -69,6 +69,7 @@ TRAIN = textwrap.dedent(
     }
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
+    print("trained on rank", dist.get_rank(), flush=True)
     dist.destroy_process_group()
     """
 )
@@ -126,13 +127,21 @@ def test_two_ranks_from_a_config_file(tmp_path: Path) -> None:
     script = _write(tmp_path, "train.py", TRAIN)
     out = tmp_path / "out"
     out.mkdir()
-    # num_processes: 2 in the file; the script's own arguments follow it unchanged.
+    logs = tmp_path / "logs"
+    # num_processes: 2 in the file; the script's own arguments follow it unchanged. torchrun's
+    # own --log-dir and --tee (whose value 3 is not SCRIPT) pass through to its agent.
     result = subprocess.run(
-        [*_fshard(), "launch", "--config_file", str(config), str(script), str(out), "--flag", "x y"],
+        [*_fshard(), "launch", "--config_file", str(config), f"--log-dir={logs}", "--tee", "3",
+         str(script), str(out), "--flag", "x y"],
         env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert "fshard launch: FSHARD_CONFIG_FILE=" in result.stderr
+    # <log-dir>/<run id>/attempt_0/<local rank>/stdout.log, and teed to the console as well.
+    for rank in (0, 1):
+        (stdout_log,) = logs.glob(f"*/attempt_0/{rank}/stdout.log")
+        assert f"trained on rank {rank}" in stdout_log.read_text()
+        assert f"trained on rank {rank}" in result.stdout
     results = _results(out, 2)
     for rank, r in enumerate(results):
         assert r["rank"] == rank and r["world"] == 2

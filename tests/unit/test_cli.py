@@ -14,8 +14,10 @@ import yaml
 from fshard.cli import (
     _COMMANDS,
     LaunchError,
+    TorchrunOption,
     _exit_status,
     _newest_inside_hint,
+    _parse_launch,
     build_parser,
     main,
     plan_launch,
@@ -25,7 +27,7 @@ from tests.accelerate_samples import GUIDE, sample
 
 
 def _plan(argv: list[str], port: int = 4321, environ: dict[str, str] | None = None) -> Any:
-    args = build_parser().parse_args(["launch", *argv])
+    args = _parse_launch(build_parser(), ["launch", *argv], 0)
     if environ is None:
         return plan_launch(args, free_port=lambda: port)
     return plan_launch(args, free_port=lambda: port, environ=environ)
@@ -69,7 +71,8 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ("launch", ["--config_file", "--nproc", "--nnodes", "--node-rank", "--master-addr",
                     "--master-port", "--rdzv-backend", "--dry-run", "FSHARD_CONFIG_FILE",
-                    "num_processes", "exit status", "examples:"]),
+                    "num_processes", "exit status", "examples:", "torchrun's other launcher options",
+                    "--log-dir logs --tee 3 train.py"]),
         ("consolidate", ["CKPT", "OUT", ".safetensors", "--force", "example:"]),
     ],
 )  # fmt: skip
@@ -336,6 +339,134 @@ def test_an_unknown_launch_flag_gets_the_launch_usage(capsys: pytest.CaptureFixt
     assert "hint" not in err
     # After the script, the same words are the script's.
     assert build_parser().parse_args(["launch", "t.py", "--num_processes", "2"]).script_args == ["--num_processes", "2"]
+
+
+# ------------------------------------------------------------ torchrun's options pass through
+
+
+def _dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """The words of the torchrun command that ``fshard launch --dry-run ARGV`` prints."""
+    assert main(["launch", "--dry-run", *argv]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:3] == ["python", "-m", "torch.distributed.run"]
+    return words[3:]
+
+
+def test_torchrun_value_option_passes_through_before_the_script(capsys: pytest.CaptureFixture[str]) -> None:
+    words = _dry_run(["--nproc", "2", "--log-dir", "logs", "train.py", "--lr", "1"], capsys)
+    assert words[-5:] == ["--log-dir", "logs", "train.py", "--lr", "1"]
+    # fshard's own flags are unchanged; torchrun's follow them.
+    assert words[:4] == ["--nnodes", "1", "--nproc-per-node", "2"]
+    assert words.count("--log-dir") == 1
+
+
+def test_torchrun_option_equals_form_and_underscore_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    words = _dry_run(["--log_dir=/tmp/x y", "--redirects=3", "train.py"], capsys)
+    assert words[-4:] == ["'--log_dir=/tmp/x", "y'", "--redirects=3", "train.py"]  # shlex-quoted
+    args = _parse_launch(build_parser(), ["launch", "--log_dir=/tmp/x y", "-t3", "train.py"], 0)
+    assert args.torchrun_options == (
+        TorchrunOption("log_dir", ("--log_dir=/tmp/x y",)), TorchrunOption("tee", ("-t3",))
+    )
+    assert args.script == "train.py" and args.script_args == []
+
+
+def test_torchrun_store_true_option_takes_no_value(capsys: pytest.CaptureFixture[str]) -> None:
+    # --run-path takes no value, so the next word is SCRIPT.
+    words = _dry_run(["--run-path", "train.py", "--x"], capsys)
+    assert words[-3:] == ["--run-path", "train.py", "--x"]
+    args = _parse_launch(build_parser(), ["launch", "--no-python", "--nproc", "2", "bash", "-c", "true"], 0)
+    assert args.torchrun_options == (TorchrunOption("no_python", ("--no-python",)),)
+    assert (args.nproc, args.script, args.script_args) == (2, "bash", ["-c", "true"])
+
+
+def test_torchrun_options_keep_their_order_among_fshard_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    words = _dry_run(["--tee", "3", "--nproc", "2", "--role", "trainer", "-m", "--monitor-interval", "0.5",
+                      "--start-method=fork", "pkg.train", "--steps", "3"], capsys)  # fmt: skip
+    start = words.index("--tee")
+    assert words[start:] == ["--tee", "3", "--role", "trainer", "--monitor-interval", "0.5",
+                             "--start-method=fork", "--module", "pkg.train", "--steps", "3"]  # fmt: skip
+    assert words[words.index("--nproc-per-node") + 1] == "2"
+
+
+def test_a_torchrun_option_after_the_script_is_the_scripts(capsys: pytest.CaptureFixture[str]) -> None:
+    words = _dry_run(["--tee", "1", "train.py", "--tee", "3", "--log-dir", "d"], capsys)
+    assert words.count("--tee") == 2 and words[-6:] == ["1", "train.py", "--tee", "3", "--log-dir", "d"]
+    args = _parse_launch(build_parser(), ["launch", "train.py", "--tee", "3", "--standalone"], 0)
+    assert args.torchrun_options == () and args.script_args == ["--tee", "3", "--standalone"]
+    # After `--`, too: the next word is SCRIPT.
+    args = _parse_launch(build_parser(), ["launch", "--", "train.py", "--tee", "3"], 0)
+    assert (args.script, args.script_args, args.torchrun_options) == ("train.py", ["--tee", "3"], ())
+
+
+def test_a_torchrun_value_is_not_taken_for_the_script() -> None:
+    # `--tee 3 train.py`: 3 is --tee's value; it was taken for SCRIPT.
+    args = _parse_launch(build_parser(), ["launch", "--tee", "3", "train.py", "--lr", "1"], 0)
+    assert (args.script, args.script_args) == ("train.py", ["--lr", "1"])
+    assert args.torchrun_options == (TorchrunOption("tee", ("--tee", "3")),)
+    # An abbreviated fshard flag keeps its value too (fshard's parser expands it).
+    args = _parse_launch(build_parser(), ["launch", "--nnode", "1", "--tee", "3", "train.py"], 0)
+    assert (args.nnodes, args.script, len(args.torchrun_options)) == (1, "train.py", 1)
+
+
+def test_a_local_addr_replaces_fshards() -> None:
+    plan = _plan(["--local-addr", "10.0.0.5", "t.py"])
+    assert plan.torchrun_args.count("--local-addr") == 1
+    assert _flags(plan.torchrun_args)["--local-addr"] == "10.0.0.5"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rdzv-endpoint", "h:1"], "argument --rdzv-endpoint: fshard launch sets it from --master-addr "
+         "and --master-port; pass --master-addr HOST --master-port PORT instead"),
+        (["--rdzv_endpoint=h:1"], "argument --rdzv_endpoint: fshard launch sets it from --master-addr"),
+        (["--standalone"], "argument --standalone: fshard launch sets the rendezvous itself, and on one "
+         "machine it already is a local one (127.0.0.1 at a free port); leave --standalone out"),
+        (["--no-python=1"], "argument --no-python: ignored explicit argument '1'"),
+        (["--log-dir", "--tee", "3"], "argument --log-dir: expected one argument"),
+    ],
+)  # fmt: skip
+def test_torchrun_options_that_fshard_sets_or_that_are_malformed_are_named(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--dry-run", *argv, "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fshard launch ") and f"fshard launch: error: {message}" in err
+    # A missing value at the end of the command line, too.
+    with pytest.raises(SystemExit):
+        main(["launch", "--tee"])
+    assert "argument --tee: expected one argument" in capsys.readouterr().err
+
+
+def test_fshards_own_spellings_of_torchrun_options_stay_fshards() -> None:
+    # torchrun's spellings of what fshard launch sets are fshard's aliases: passed once.
+    plan = _plan(["--nproc_per_node", "3", "--max_restarts=2", "--rdzv_id", "job", "--module", "pkg"])
+    flags = _flags(plan.torchrun_args)
+    assert (flags["--nproc-per-node"], flags["--max-restarts"], flags["--rdzv-id"]) == ("3", "2", "job")
+    assert plan.torchrun_args.count("--module") == 1 and plan.torchrun_args[-1] == "pkg"
+
+
+def test_module_and_no_python_conflict() -> None:
+    with pytest.raises(LaunchError, match=re.escape("-m runs SCRIPT as a Python module and --no-python as a program")):
+        _plan(["-m", "--no-python", "pkg.train"])
+
+
+def test_no_python_looks_for_a_program_not_a_script_file(capsys: pytest.CaptureFixture[str]) -> None:
+    # With --no-python, SCRIPT is a program on $PATH (bash), not a file here; none is started.
+    assert main(["launch", "--no-python", "fshard-no-such-program", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "launch: program 'fshard-no-such-program' not found (--no-python runs SCRIPT as a program)" in err
+
+
+def test_an_abbreviated_torchrun_option_is_unknown_with_its_spellings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--log-d", "x", "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "fshard launch: error: unrecognized arguments: --log-d" in err
+    assert "\n  hint: --log-d: torchrun's options pass through spelled in full (--log-dir)" in err
 
 
 def test_num_processes_must_divide_over_machines(tmp_path: Path) -> None:
