@@ -53,7 +53,6 @@ import ctypes.util
 import functools
 import gc
 import json
-import math
 import os
 import resource
 import shutil
@@ -71,15 +70,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 import fshard
 import fshard.checkpoint
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, GPTConfig, parse_mesh, pick_device, synthetic_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_model_args, mib, no_gc, set_up
+from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("full_state_dict", "state_dict", "save", "save-model")
 CALLS = {
@@ -88,7 +87,6 @@ CALLS = {
     "save": "checkpoint.save(dir, model, opt, extra)",
     "save-model": "checkpoint.save(dir, model)",
 }
-MiB = 1 << 20
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -184,17 +182,6 @@ def rss_growth() -> Iterator[RssWindow]:
     window.start = max_rss_bytes()
     yield window
     window.growth = max(0, max_rss_bytes() - window.start)
-
-
-@contextmanager
-def no_gc() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def dir_bytes(path: str) -> tuple[int, int]:
@@ -301,25 +288,9 @@ def measure(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--mesh", type=parse_mesh, default=None, help="N or RxS (default: world size)"
-    )
+    add_model_args(parser)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per variant first")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=128, help="as train_gpt.py's demo")
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: a GPU per rank if there are enough, else CPU ranks over gloo",
-    )
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--dir",
         default=None,
@@ -345,23 +316,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = pick_device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shape = args.mesh or (world,)
-    if math.prod(shape) != world:
-        if rank == 0:
-            print(
-                f"--mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} ranks, but {world} were started",
-                file=sys.stderr,
-            )
-        dist.destroy_process_group()
+    setup = set_up(args)
+    if setup is None:
         return 2
-    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    cfg = GPTConfig(
-        vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers
-    )
+    device, rank, world, mesh, shape, cfg = setup
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
@@ -466,10 +424,6 @@ def combine(
     return results
 
 
-def _mib(n: float) -> str:
-    return f"{n / MiB:.2f}"
-
-
 def print_table(
     results: dict[str, dict[str, Any]],
     args: argparse.Namespace,
@@ -487,9 +441,9 @@ def print_table(
         f"checkpoints under {os.path.dirname(root)}"
     )
     print(
-        f"full model {_mib(context['model_bytes'])} MiB; largest parameter "
-        f"{context['largest_param']} {_mib(context['largest_param_bytes'])} MiB; rank 0 holds "
-        f"{_mib(context['rank0_shard_bytes'])} MiB of shards + {_mib(context['rank0_optim_bytes'])} MiB AdamW state"
+        f"full model {mib(context['model_bytes'])} MiB; largest parameter "
+        f"{context['largest_param']} {mib(context['largest_param_bytes'])} MiB; rank 0 holds "
+        f"{mib(context['rank0_shard_bytes'])} MiB of shards + {mib(context['rank0_optim_bytes'])} MiB AdamW state"
     )
     print(
         f"{args.reps} timed repetitions per variant after {args.warmup} warm-up; time = slowest "
@@ -507,10 +461,10 @@ def print_table(
             e["call"],
             f"{e['time_ms_min']:.1f}",
             f"{e['time_ms_median']:.1f}",
-            _mib(e["rank0_alloc_peak_bytes"]),
+            mib(e["rank0_alloc_peak_bytes"]),
             f"{e['rank0_alloc_peak_over_model_plus_largest']:.2f}",
-            _mib(e["rank0_rss_growth_bytes"]),
-            _mib(e["disk_bytes"]) if "disk_bytes" in e else "-",
+            mib(e["rank0_rss_growth_bytes"]),
+            mib(e["disk_bytes"]) if "disk_bytes" in e else "-",
         ])  # fmt: skip
     widths = [
         max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(columns)

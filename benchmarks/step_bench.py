@@ -59,7 +59,6 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,18 +67,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fshard
 from fshard.testing import CollectiveRecord, trace_collectives
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, GPTConfig, parse_mesh, pick_device, synthetic_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_model_args, mib, no_gc, set_up
+from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fshard-int", "fsdp2")
-MiB = 1 << 20
 
 
 # ------------------------------------------------------------------------------------ variants
@@ -250,17 +249,6 @@ def summarize(records: list[Collective]) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def no_gc() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = q * (len(ordered) - 1)
@@ -273,25 +261,9 @@ def quantile(values: list[float], q: float) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--mesh", type=parse_mesh, default=None, help="N or RxS (default: world size)"
-    )
+    add_model_args(parser)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=128, help="as train_gpt.py's demo")
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: a GPU per rank if there are enough, else CPU ranks over gloo",
-    )
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
@@ -313,23 +285,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # FSDP2's view-output notice
-    device = pick_device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shape = args.mesh or (world,)
-    if math.prod(shape) != world:
-        if rank == 0:
-            print(
-                f"--mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} ranks, but {world} were started",
-                file=sys.stderr,
-            )
-        dist.destroy_process_group()
+    setup = set_up(args)
+    if setup is None:
         return 2
-    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    cfg = GPTConfig(
-        vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers
-    )
+    device, rank, world, mesh, shape, cfg = setup
 
     variants = [build_variant(name, cfg, mesh, device, args) for name in args.variants]
     total_steps = args.warmup + 1 + args.steps  # warm-up, one traced step, measured steps
@@ -461,10 +420,6 @@ def combine(everyone: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     return results
 
 
-def _mib(n: float) -> str:
-    return f"{n / MiB:.2f}"
-
-
 def _comm_counts(counts: dict[str, int]) -> str:
     short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
     return " ".join(f"{c}{short.get(op, op)}" for op, c in counts.items()) or "-"
@@ -508,12 +463,12 @@ def print_table(
             f"{e['step_ms_median']:.1f}",
             f"[{e['step_ms_p25']:.1f}-{e['step_ms_p75']:.1f}]",
             f"{e['ratio_to_ddp']:.2f}" if "ratio_to_ddp" in e else "-",
-            _mib(sum(state.values())),
-            "/".join(_mib(state[k]) for k in ("params", "grads", "optim")),
-            _mib(e["peak_gathered_bytes"]) if "peak_gathered_bytes" in e else "-",
+            mib(sum(state.values())),
+            "/".join(mib(state[k]) for k in ("params", "grads", "optim")),
+            mib(e["peak_gathered_bytes"]) if "peak_gathered_bytes" in e else "-",
             _comm_counts(comm["counts"]),
-            _mib(comm["payload_bytes"]),
-            _mib(comm["sent_bytes"]),
+            mib(comm["payload_bytes"]),
+            mib(comm["sent_bytes"]),
             f"{e['final_loss_mean']:.4f}",
             f"{e['max_abs_loss_diff_vs_ddp']:.1e}" if "max_abs_loss_diff_vs_ddp" in e else "-",
         ])  # fmt: skip
