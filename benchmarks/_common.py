@@ -91,3 +91,24 @@ def no_gc() -> Iterator[None]:
 
 def mib(n: float) -> str:
     return f"{n / MiB:.2f}"
+
+
+def parse_with_variants(
+    parser: argparse.ArgumentParser, argv: list[str] | None, variants: tuple[str, ...]
+) -> argparse.Namespace:
+    """Add ``--variants`` (a comma-separated subset of ``variants``) and ``--json``, then parse;
+    ``args.variants`` is the list asked for, in order, each once."""
+    parser.add_argument(
+        "--variants",
+        default=",".join(variants),
+        help=f"comma separated subset of {','.join(variants)}",
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="also write the figures here (rank 0)"
+    )
+    args = parser.parse_args(argv)
+    args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    unknown = [v for v in args.variants if v not in variants]
+    if unknown or not args.variants:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(variants)}")
+    return args

@@ -77,7 +77,7 @@ import fshard.checkpoint
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_args, mib, no_gc, set_up
+from _common import add_model_args, mib, no_gc, parse_with_variants, set_up
 from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("full_state_dict", "state_dict", "save", "save-model")
@@ -296,19 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="where the checkpoints go (a fresh directory under it; default: the system temp dir)",
     )
-    parser.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma separated subset of {','.join(VARIANTS)}",
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="PATH", help="also write the figures here (rank 0)"
-    )
-    args = parser.parse_args(argv)
-    args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    args = parse_with_variants(parser, argv, VARIANTS)
     if args.reps < 1 or args.warmup < 0:
         parser.error("--reps must be at least 1 and --warmup at least 0")
     return args

@@ -75,7 +75,7 @@ from fshard.testing import CollectiveRecord, trace_collectives
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_args, mib, no_gc, set_up
+from _common import add_model_args, mib, no_gc, parse_with_variants, set_up
 from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fshard-int", "fsdp2")
@@ -264,19 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    parser.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma separated subset of {','.join(VARIANTS)}",
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="PATH", help="also write the figures here (rank 0)"
-    )
-    args = parser.parse_args(argv)
-    args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    args = parse_with_variants(parser, argv, VARIANTS)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     return args
