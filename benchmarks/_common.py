@@ -112,3 +112,23 @@ def parse_with_variants(
     if unknown or not args.variants:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(variants)}")
     return args
+
+
+def print_columns(columns: list[tuple[str, str]], rows: list[list[str]]) -> None:
+    """A plain-text table: ``columns`` are (title, alignment: "<" or ">"), ``rows`` the cells."""
+    widths = [
+        max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(columns)
+    ]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            f"{cell:{align}{width}}"
+            for cell, (_, align), width in zip(cells, columns, widths, strict=True)
+        ).rstrip()
+
+    print()
+    print(line([title for title, _ in columns]))
+    print(line(["-" * w for w in widths]))
+    for row in rows:
+        print(line(row))
+    print()

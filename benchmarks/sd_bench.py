@@ -77,7 +77,7 @@ import fshard.checkpoint
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_args, mib, no_gc, parse_with_variants, set_up
+from _common import add_model_args, mib, no_gc, parse_with_variants, print_columns, set_up
 from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("full_state_dict", "state_dict", "save", "save-model")
@@ -454,22 +454,7 @@ def print_table(
             mib(e["rank0_rss_growth_bytes"]),
             mib(e["disk_bytes"]) if "disk_bytes" in e else "-",
         ])  # fmt: skip
-    widths = [
-        max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(columns)
-    ]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            f"{cell:{align}{width}}"
-            for cell, (_, align), width in zip(cells, columns, widths, strict=True)
-        ).rstrip()
-
-    print()
-    print(line([title for title, _ in columns]))
-    print(line(["-" * w for w in widths]))
-    for row in rows:
-        print(line(row))
-    print()
+    print_columns(columns, rows)
     print(
         "alloc peak: torch CPU allocator high-water mark above the start of the call (profiler "
         "memory events; the result included); RSS growth: ru_maxrss over the timed repetitions "

@@ -75,7 +75,7 @@ from fshard.testing import CollectiveRecord, trace_collectives
 
 # The demo model and data come from the example itself, so the benchmark measures what users run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_args, mib, no_gc, parse_with_variants, set_up
+from _common import add_model_args, mib, no_gc, parse_with_variants, print_columns, set_up
 from train_gpt import GPT, GPTConfig, synthetic_batch
 
 VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fshard-int", "fsdp2")
@@ -460,22 +460,7 @@ def print_table(
             f"{e['final_loss_mean']:.4f}",
             f"{e['max_abs_loss_diff_vs_ddp']:.1e}" if "max_abs_loss_diff_vs_ddp" in e else "-",
         ])  # fmt: skip
-    widths = [
-        max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(columns)
-    ]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            f"{cell:{align}{width}}"
-            for cell, (_, align), width in zip(cells, columns, widths, strict=True)
-        ).rstrip()
-
-    print()
-    print(line([title for title, _ in columns]))
-    print(line(["-" * w for w in widths]))
-    for row in rows:
-        print(line(row))
-    print()
+    print_columns(columns, rows)
     print(
         "state: params+grads+AdamW state of the largest rank, from tensor storages; gathered peak: "
         "fshard.memory_stats() per step; comm: one steady step on rank 0 "
