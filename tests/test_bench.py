@@ -1,4 +1,4 @@
-"""benchmarks/step_bench.py runs under torchrun and reports every variant (no timing asserted)."""
+"""The benchmarks run under torchrun and report every variant (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -16,25 +16,30 @@ VARIANTS = ("ddp", "fshard", "fshard-noprefetch", "fshard-zero2", "fshard-int", 
 pytestmark = pytest.mark.slow
 
 
-def test_step_bench_smoke(tmp_path):
-    out = tmp_path / "bench.json"
+def run_bench(script: str, *args: str, timeout: float = 120) -> tuple[str, dict[str, list[str]]]:
+    """Run ``benchmarks/<script>`` on 2 gloo ranks; its stdout and table rows by first word."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "benchmarks" / "step_bench.py"),
-        "--mesh", "2", "--steps", "2", "--warmup", "1",
-        "--layers", "1", "--dim", "32", "--seq", "16", "--batch", "2", "--json", str(out),
+        str(ROOT / "benchmarks" / script), *args,
     ]  # fmt: skip
     try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(
-            f"step_bench timed out after 120s\n{exc.stdout}\n{exc.stderr}"
-        ) from None
+        raise AssertionError(f"{script} timed out after {timeout}s\n{exc.stdout}\n{exc.stderr}") from None
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    return result.stdout, rows
+
+
+def test_step_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    stdout, rows = run_bench(
+        "step_bench.py", "--mesh", "2", "--steps", "2", "--warmup", "1",
+        "--layers", "1", "--dim", "32", "--seq", "16", "--batch", "2", "--json", str(out),
+    )  # fmt: skip
     for name in VARIANTS:
-        assert name in rows, f"no table row for {name}:\n{result.stdout}"
+        assert name in rows, f"no table row for {name}:\n{stdout}"
     figures = json.loads(out.read_text())["results"]
     assert set(figures) == set(VARIANTS)
     for name, entry in figures.items():
@@ -48,43 +53,26 @@ def test_step_bench_smoke(tmp_path):
 
 
 def test_accum_bench_smoke():
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "benchmarks" / "accum_bench.py"),
-        "--micro", "3", "--steps", "1", "--warmup", "0", "--layers", "1", "--dim", "32", "--seq", "8",
-    ]  # fmt: skip
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"accum_bench timed out after 120s\n{exc.stdout}\n{exc.stderr}") from None
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    stdout, rows = run_bench(
+        "accum_bench.py", "--micro", "3", "--steps", "1", "--warmup", "0",
+        "--layers", "1", "--dim", "32", "--seq", "8",
+    )  # fmt: skip
     gathers = {name: int(rows[name][2]) for name in ("zero3", "zero3-keep", "zero2", "zero2-keep")}
     # One block and the root: ZeRO-2 with keep gathers each once per optimizer step.
     assert gathers["zero2-keep"] == 2 and gathers["zero2"] == 2 * 3, gathers
     assert gathers["zero3-keep"] < gathers["zero3"], gathers
-    assert len({rows[name][4] for name in gathers}) == 1, result.stdout  # the same final loss
+    assert len({rows[name][4] for name in gathers}) == 1, stdout  # the same final loss
 
 
 def test_sd_bench_smoke(tmp_path):
     out = tmp_path / "sd.json"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "benchmarks" / "sd_bench.py"),
-        "--reps", "2", "--warmup", "0", "--layers", "1", "--dim", "32", "--seq", "16", "--batch", "2",
-        "--dir", str(tmp_path), "--json", str(out),
-    ]  # fmt: skip
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"sd_bench timed out after 180s\n{exc.stdout}\n{exc.stderr}") from None
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout, rows = run_bench(
+        "sd_bench.py", "--reps", "2", "--warmup", "0", "--layers", "1", "--dim", "32", "--seq", "16",
+        "--batch", "2", "--dir", str(tmp_path), "--json", str(out), timeout=180,
+    )  # fmt: skip
     variants = ("full_state_dict", "state_dict", "save", "save-model")
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
     for name in variants:
-        assert name in rows, f"no table row for {name}:\n{result.stdout}"
+        assert name in rows, f"no table row for {name}:\n{stdout}"
     payload = json.loads(out.read_text())
     model, figures = payload["model"], payload["results"]
     assert set(figures) == set(variants)
