@@ -280,22 +280,25 @@ class LaunchWords(NamedTuple):
     torchrun: tuple[TorchrunOption, ...]  # torchrun's options to pass on, in the order given
 
 
-# torchrun options that are spellings of an fshard launch flag (torchrun dest -> fshard's flag).
-# Today fshard's parser knows all their spellings; a spelling that a newer torch adds maps here.
-_TORCHRUN_ALIASES = {
-    "nnodes": "--nnodes",
-    "nproc_per_node": "--nproc",
-    "node_rank": "--node-rank",
-    "master_addr": "--master-addr",
-    "master_port": "--master-port",
-    "rdzv_backend": "--rdzv-backend",
-    "rdzv_id": "--rdzv-id",
-    "max_restarts": "--max-restarts",
-    "module": "--module",
-}
-# torchrun options that fshard launch sets itself without a flag of the same meaning -> what to
-# pass instead. (--local-addr is not here: a given one replaces fshard's, see plan_launch.)
+# torchrun options that fshard launch sets itself (torchrun dest -> what to pass instead). Its
+# own flags take torchrun's spellings too (--nproc_per_node, --max_restarts, ...); a spelling
+# only a newer torch knows lands here rather than being passed twice. (--local-addr is not here:
+# a given one replaces fshard's, see plan_launch.)
 _SET_BY_FSHARD = {
+    **{
+        dest: f"fshard launch sets it from its own {flag}; pass that instead"
+        for dest, flag in {
+            "nnodes": "--nnodes",
+            "nproc_per_node": "--nproc",
+            "node_rank": "--node-rank",
+            "master_addr": "--master-addr",
+            "master_port": "--master-port",
+            "rdzv_backend": "--rdzv-backend",
+            "rdzv_id": "--rdzv-id",
+            "max_restarts": "--max-restarts",
+            "module": "--module",
+        }.items()
+    },
     "rdzv_endpoint": "fshard launch sets it from --master-addr and --master-port; pass "
     "--master-addr HOST --master-port PORT instead",
     "standalone": "fshard launch sets the rendezvous itself, and on one machine it already is a "
@@ -332,9 +335,8 @@ def _split_launch_words(
     option nor an option's value, or the one after ``--``. An option of fshard launch (any
     spelling its parser has, or an abbreviation of one) stays for fshard's parser. One that
     torchrun's parser knows by that exact spelling is passed on, as ``--flag VALUE`` or
-    ``--flag=VALUE`` (bare when it takes no value), unless it is another spelling of an fshard
-    launch flag (then it becomes that flag). Anything else stays for fshard's parser, which
-    refuses it. Raises ``LaunchError`` naming the option for a torchrun option that fshard
+    ``--flag=VALUE`` (bare when it takes no value). Anything else stays for fshard's parser,
+    which refuses it. Raises ``LaunchError`` naming the option for a torchrun option that fshard
     launch sets itself, or for a missing or unexpected value.
 
     Example:
@@ -366,22 +368,17 @@ def _split_launch_words(
             dest = torchrun_actions[name].dest
             if dest in _SET_BY_FSHARD:
                 raise LaunchError(f"argument {name}: {_SET_BY_FSHARD[dest]}")
-            if dest in _TORCHRUN_ALIASES:  # another spelling of an fshard launch flag
-                name = _TORCHRUN_ALIASES[dest]
-                word = f"{name}={value}" if equals else name
-                action = fshard_actions[name]
-            else:
-                torchrun_action = torchrun_actions[name]
-                count = 0 if equals else _value_count(torchrun_action)
-                if equals and torchrun_action.nargs == 0:
-                    raise LaunchError(f"argument {name}: ignored explicit argument {value!r}")
-                values = words[i + 1 : i + 1 + count]
-                if len(values) < count or any(_looks_like_an_option(v) for v in values):
-                    expected = "one argument" if count == 1 else f"{count} arguments"
-                    raise LaunchError(f"argument {name}: expected {expected}")
-                passed.append(TorchrunOption(torchrun_action.dest, (word, *values)))
-                i += 1 + count
-                continue
+            torchrun_action = torchrun_actions[name]
+            count = 0 if equals else _value_count(torchrun_action)
+            if equals and torchrun_action.nargs == 0:
+                raise LaunchError(f"argument {name}: ignored explicit argument {value!r}")
+            values = words[i + 1 : i + 1 + count]
+            if len(values) < count or any(_looks_like_an_option(v) for v in values):
+                expected = "one argument" if count == 1 else f"{count} arguments"
+                raise LaunchError(f"argument {name}: expected {expected}")
+            passed.append(TorchrunOption(dest, (word, *values)))
+            i += 1 + count
+            continue
         if action is None and name.startswith("--"):
             # An abbreviation that fshard's parser expands (--nnode 2): its value is skipped too.
             matches = {fshard_actions[option] for option in fshard_actions if option.startswith(name)}
