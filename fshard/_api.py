@@ -1147,30 +1147,26 @@ def units(module: nn.Module) -> list[UnitInfo]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fshard.units expects an nn.Module, got {type(module).__name__}")
-    module_names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    # Each module's FQN and place in module order (a module registered twice: its first).
+    module_names: dict[int, tuple[int, str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(m), (len(module_names), name))
     param_names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(param), name)  # a tied weight: its first name
     found: list[tuple[int, UnitInfo]] = []
-    order = {id(m): i for i, m in enumerate(module.modules())}
     for group in units_under(module):
-        inside = [m for m in group.modules if id(m) in module_names]
+        inside = [module_names[id(m)] for m in group.modules if id(m) in module_names]
         if not inside:
             continue
-        found.append(
-            (
-                min(order[id(m)] for m in inside),
-                UnitInfo(
-                    fqn="+".join(module_names[id(m)] for m in inside),
-                    modules=tuple(group.modules),
-                    param_names=tuple(
-                        param_names.get(id(slot.sharded_param), slot.fqn) for slot in group.slots
-                    ),
-                    mesh=group.mesh_info.mesh,
-                    reshard_after_forward=group.reshard_after_forward,
-                    mp_policy=group.mp_policy,
-                    offload_policy=group.offload_policy,
-                ),
-            )
+        info = UnitInfo(
+            fqn="+".join(name for _, name in inside),
+            modules=tuple(group.modules),
+            param_names=tuple(param_names.get(id(s.sharded_param), s.fqn) for s in group.slots),
+            mesh=group.mesh_info.mesh,
+            reshard_after_forward=group.reshard_after_forward,
+            mp_policy=group.mp_policy,
+            offload_policy=group.offload_policy,
         )
+        found.append((min(at for at, _ in inside), info))
     return [info for _, info in sorted(found, key=lambda item: item[0])]
