@@ -21,21 +21,15 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, first_few
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._hooks import (
-    check_prefetch_alike,
-    check_prefetch_targets,
-    ensure_root_initialised,
-    hook_forward_method,
-    register_unit,
-    unit_of,
-    units_or_error,
-    units_under,
-)
 from fshard._mesh import MeshInfo, default_mesh, mesh_info
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._param import GATHERED, ParamSlot
 from fshard._placement import ShardLayout, shard_layout
+from fshard._runtime._hooks import ensure_root_initialised, hook_forward_method, register_unit
+from fshard._runtime._root import check_prefetch_targets
+from fshard._runtime._root_init import check_prefetch_alike
 from fshard._sharded import ShardedParameter, is_sharded
+from fshard._unit._registry import unit_of, units_or_error, units_under
 
 __all__ = [
     "fully_shard",

@@ -13,10 +13,13 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from fshard._mesh import MeshInfo
 
 from fshard._errors import CollectiveError, collective_error, rank_prefix
 from fshard._profiling import phase
@@ -417,3 +420,12 @@ def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None, *, la
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
+
+def on_any_rank(flag: bool, info: MeshInfo, label: str) -> bool:
+    """Whether ``flag`` holds on some rank of ``info``'s mesh (a ``MeshInfo``): a MAX
+    all-reduce of one value over its shard and replicate groups."""
+    value = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    for group, size in ((info.shard_group, info.shard_size), (info.replicate_group, info.replicate_size)):
+        if group is not None and size > 1:
+            all_reduce_(value, group, label=label, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)

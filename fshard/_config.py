@@ -49,11 +49,11 @@ from torch import nn
 from fshard import _collectives
 from fshard._api import fully_shard, set_prefetch
 from fshard._errors import ProblemList
-from fshard._hooks import unit_of
 from fshard._init import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._state_dict import load_state_dict
 from fshard._strategy import ShardingStrategy, parse_strategy, strategy_kwargs
+from fshard._unit._registry import unit_of
 from fshard._wrap import Policy, by_class, by_size, checkpoint_forward, select_modules
 
 __all__ = [

@@ -29,9 +29,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fshard._errors import ProblemList, first_few
-from fshard._hooks import units_under
 from fshard._param import _set_data
 from fshard._sharded import is_sharded
+from fshard._unit._registry import units_under
 
 __all__ = ["materialize"]
 

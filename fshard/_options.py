@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import Enum
 
@@ -90,3 +91,9 @@ class BackwardPrefetch(Enum):
     BACKWARD_PRE = "BACKWARD_PRE"
     BACKWARD_POST = "BACKWARD_POST"
     NO_PREFETCH = "NO_PREFETCH"
+
+
+def debug_checks() -> bool:
+    """Whether ``FSHARD_DEBUG`` is set (to anything but ``0``): every step's collectives are
+    compared across ranks and prefetch is off (see RootState)."""
+    return os.environ.get("FSHARD_DEBUG", "").strip() not in ("", "0")

@@ -58,18 +58,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
+from fshard._collectives import on_any_rank
 from fshard._errors import ProblemList, first_few, internal_error
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._hooks import (
-    SHARDS_KEY,
-    check_optimizer_state,
-    never_stepped,
-    on_any_rank,
-    unit_of,
-    units_or_error,
-)
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
+from fshard._runtime._optim_hooks import SHARDS_KEY, check_optimizer_state, never_stepped
+from fshard._unit._registry import unit_of, units_or_error
 from fshard.transforms import Layout, TensorLayout
 
 __all__ = [

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fshard._api import _CONTAINERS, fully_shard, ignored_param_list
 from fshard._errors import ProblemList
-from fshard._hooks import READS_CHILDREN
+from fshard._runtime._root_init import READS_CHILDREN
 from fshard._sharded import is_sharded
 
 __all__ = [

@@ -60,7 +60,7 @@ TRAIN = textwrap.dedent(
     opt.step()
     total = torch.ones(1)
     dist.all_reduce(total)
-    units = [n for n, m in model.named_modules() if fshard._hooks.unit_of(m) is not None]
+    units = [u.fqn for u in fshard.units(model)]
     out = {
         "rank": dist.get_rank(), "world": int(total.item()), "args": sys.argv[1:],
         "config": os.environ.get("FSHARD_CONFIG_FILE"), "units": units, "loss": loss.item(),

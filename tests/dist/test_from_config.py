@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fshard
-from fshard._hooks import unit_of
+from fshard._unit._registry import unit_of  # prefetch defaults: UnitInfo does not show them
 from fshard.testing import assert_equivalent_to_ddp, get_pool
 from tests.accelerate_samples import sample
 
