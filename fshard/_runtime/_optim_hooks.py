@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import warnings
 import weakref
@@ -10,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -213,7 +215,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     wrong = []
     gathered = []
     dtensors: list[str] = []
-    unowned: list[str] = []
+    unowned: list[torch.Tensor] = []
     sharded = False
     split = False  # some parameter's rows are spread over ranks
     data_parallel = 1
@@ -226,7 +228,7 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             slot = getattr(param, "_fshard_slot", None)
             if slot is None:
                 if param.requires_grad and not getattr(param, "_fshard_ignored", False):
-                    unowned.append(str(list(param.shape)))
+                    unowned.append(param)
                 continue
             sharded = True
             split = split or (slot.mesh_info.shard_size > 1 and not slot.layout.replicated)
@@ -277,20 +279,13 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             f"elementwise optimizer (SGD, Adam, AdamW, ...), or run {name} on an unsharded model."
         )
     if sharded and unowned and data_parallel > 1:
-        # [Note: parameters no unit owns] A head kept outside the sharded module (a wrapper
-        # whose inner model alone was sharded) trains on this rank's gradients only; DDP of
-        # the wrapper would average them. fshard cannot tell whether something else (DDP, the
-        # user's own all_reduce) averages them, so it warns rather than raises.
-        warnings.warn(
-            f"the optimizer steps {len(unowned)} parameter(s) that no fshard unit owns (shapes "
-            f"{first_few(unowned)}) beside sharded ones: their gradients are this rank's own, "
-            "not averaged over the ranks as DDP's are, so the ranks' copies drift apart. Shard "
-            "a module that contains them (often the wrapper, as the root: "
-            "fshard.fully_shard(wrapper) after its inner model). If something else averages "
-            "their gradients (DDP, your own all_reduce), pass them in fully_shard's "
-            "ignored_params or filter this warning.",
-            stacklevel=4,
-        )
+        # [Note: parameters no unit owns] A module outside every unit (the model's head and
+        # final norm when fully_shard(model) was forgotten, or a wrapper's head around a sharded
+        # inner model) trains on this rank's gradients only; DDP would average them, so the
+        # ranks' copies drift apart, silently. Refused before the first update, on every rank
+        # alike (each sees the same parameters); ignored_params says something else averages
+        # them.
+        raise ValueError(_unowned_message(optimizer, unowned))
     if wrong:
         raise ValueError(
             f"optimizer state of sharded parameter(s) {first_few(wrong)} has the full parameter's shape: "
@@ -300,6 +295,45 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
     return sharded
+
+
+def _unowned_message(optimizer: torch.optim.Optimizer, unowned: list[torch.Tensor]) -> str:
+    names = _names_of(optimizer, unowned)
+    shown = [f"{name} {list(p.shape)}" if name else str(list(p.shape)) for name, p in zip(names, unowned, strict=True)]
+    listed = ", ".join(shown[:10]) + (f" and {len(shown) - 10} more" if len(shown) > 10 else "")
+    return (
+        f"fshard: the optimizer steps {len(unowned)} trainable parameter(s) that no fshard unit "
+        f"owns, beside sharded ones: {listed}. Their gradients are this rank's own, "
+        "not averaged over the ranks as DDP's are, so every step would move the ranks' copies "
+        "apart. Usually fully_shard(model) was not called on the root after its blocks: call "
+        "fshard.fully_shard(model, mesh=mesh) last (for a wrapper around a sharded model, on "
+        "the wrapper). If something else averages their gradients (DDP, your own all_reduce), "
+        "pass them as fully_shard's ignored_params. Nothing was updated."
+    )
+
+
+def _names_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[str]:
+    """The parameters' FQNs for an error message: those the optimizer was given
+    (``torch.optim`` records them when built from ``named_parameters()``), else those in the
+    largest module that holds them all, found among the live modules (the error path only)."""
+    given = {
+        id(p): name
+        for group in optimizer.param_groups
+        for p, name in zip(group["params"], group.get("param_names", ()), strict=False)
+    }
+    if all(id(p) in given for p in params):
+        return [given[id(p)] for p in params]
+    wanted = {id(p) for p in params}
+    best: dict[int, str] = {}
+    best_size = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, nn.Module):
+            continue
+        names = {id(p): n for n, p in obj.named_parameters() if id(p) in wanted}
+        size = sum(1 for _ in obj.modules())  # the outermost of those naming as many: the model
+        if (len(names), size) > (len(best), best_size):
+            best, best_size = names, size
+    return [best.get(id(p), "") for p in params]
 
 
 # Optimizers whose update of a parameter depends on all of it, by torch.optim class name.

@@ -960,40 +960,76 @@ class _Wrapper(nn.Module):
         return self.head(self.inner(x))
 
 
-def _unowned_worker(how: str):
-    ddp, model, reference = _beside_ddp(_Wrapper, lambda m: [m.inner[0]])  # the wrapper is the root
-    if how != "root":
-        torch.manual_seed(0)
-        model = _Wrapper()
-        ignored = [model.head.weight, model.head.bias] if how == "ignored" else None
-        fshard.fully_shard(model.inner, mesh=mesh_for((2,)), ignored_params=ignored)  # inner only
-    opts = _sgd(reference, model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _train_side_by_side((ddp, model), opts, (3, 4), steps=1)
-    messages = [str(w.message) for w in caught if "no fshard unit owns" in str(w.message)]
+def _unowned_worker(how: str, shape: tuple[int, ...] = (2,)):
+    torch.manual_seed(0)
+    model = _Wrapper()
+    before = [p.detach().clone() for p in model.parameters()]
     if how == "root":
-        _assert_params_equal(model, reference)
-        return messages, True
-    head = model.head.weight.detach()  # plain: each rank's own copy
-    gathered = [torch.empty_like(head) for _ in range(2)]
-    dist.all_gather(gathered, head)
-    return messages, torch.equal(gathered[0], gathered[1])
+        fshard.fully_shard(model.inner[0], mesh=mesh_for(shape))
+        fshard.fully_shard(model, mesh=mesh_for(shape))
+    else:
+        ignored = [model.head.weight, model.head.bias] if how == "ignored" else None
+        fshard.fully_shard(model.inner, mesh=mesh_for(shape), ignored_params=ignored)  # inner only
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as exc:
+        unchanged = all(
+            torch.equal(p.detach(), b) for p, b in zip(model.head.parameters(), before[-2:], strict=True)
+        )
+        return str(exc), unchanged
+    return None, True
 
 
-def test_an_optimizer_stepping_params_no_unit_owns_warns():
-    """A wrapper's head outside the sharded module trains on each rank's own gradients (DDP of
-    the wrapper averages them): the first step warns, naming the count and shapes. Sharding the
-    wrapper as the root owns them (no warning, ranks agree); ignored_params says they are
-    synchronised elsewhere."""
-    for messages, agree in get_pool(2).run(_unowned_worker, "inner-only"):
-        assert len(messages) == 1
-        assert "steps 2 parameter(s) that no fshard unit owns (shapes [3, 8], [3])" in messages[0]
-        assert "fshard.fully_shard(wrapper)" in messages[0]
-        assert not agree  # the drift warned of: each rank stepped its own head
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["1d", "2x2"])
+def test_an_optimizer_stepping_params_no_unit_owns_is_an_error_on_every_rank(shape):
+    """A wrapper's head outside the sharded module (fully_shard(model) forgotten) would train
+    on each rank's own gradients (DDP of the wrapper averages them): the first step raises on
+    every rank before any update, naming the parameters and both fixes. Sharding the wrapper as
+    the root owns them; ignored_params says they are synchronised elsewhere."""
+    results = get_pool(math.prod(shape)).run(_unowned_worker, "inner-only", shape)
+    for message, unchanged in results:
+        assert message is not None, "no error"
+        assert "2 trainable parameter(s) that no fshard unit owns" in message
+        assert "head.weight [3, 8]" in message and "head.bias [3]" in message
+        assert "fshard.fully_shard(model, mesh=mesh)" in message and "ignored_params" in message
+        assert unchanged
     for how in ("root", "ignored"):
-        for messages, _ in get_pool(2).run(_unowned_worker, how):
-            assert messages == [], how
+        for message, _ in get_pool(math.prod(shape)).run(_unowned_worker, how, shape):
+            assert message is None, how
+
+
+def _forgotten_root_worker():
+    """A GPT whose blocks are sharded and whose root is not: lm_head and the final norm belong
+    to no unit."""
+    from fshard.testing.models import TinyTransformer, TransformerSpec
+
+    torch.manual_seed(0)
+    model = TinyTransformer(TransformerSpec(vocab=32, dim=16, heads=2, layers=2, seq=8))
+    for block in model.blocks:
+        fshard.fully_shard(block, mesh=mesh_for((2,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (2, 8))
+    logits = model(tokens)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not fshard.is_sharded(p)}
+    try:
+        opt.step()
+    except ValueError as exc:
+        after = {n: p.detach() for n, p in model.named_parameters() if not fshard.is_sharded(p)}
+        return str(exc), all(torch.equal(before[n], after[n]) for n in before), sorted(before)
+    return None, False, sorted(before)
+
+
+def test_forgetting_the_root_is_an_error_on_every_rank_before_any_update():
+    """Issue 23, case 1: blocks sharded, fully_shard(model) never called."""
+    for message, unchanged, unowned in get_pool(2).run(_forgotten_root_worker):
+        assert message is not None, "trained silently"
+        assert unchanged
+        for name in unowned:
+            assert name in message, (name, message)
+        assert "fully_shard(model" in message
 
 
 # ------------------------------------------------------------- edits to gathered copies
