@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from fshard._mesh import MeshInfo
 
+from fshard import _hang
 from fshard._errors import CollectiveError, collective_error, rank_prefix
+from fshard._options import debug_checks
 from fshard._profiling import phase
 
 __all__ = [
@@ -206,11 +209,90 @@ def _failure_context(op: str, label: str) -> Iterator[None]:
 
 
 def wait(work: dist.Work | None, *, op: str, label: str) -> None:
-    """Wait for an asynchronous collective; a failure is a ``CollectiveError`` naming ``label``."""
+    """Wait for an asynchronous collective; a failure is a ``CollectiveError`` naming ``label``,
+    and a wait that lasts is looked into (see [Note: the hang check] in _hang)."""
     if work is None:
         return
+    issued = _ISSUED.pop(id(work), None)
     with _failure_context(op, label):
-        work.wait()
+        if issued is None:
+            work.wait()
+        else:
+            _hang.checked_wait(work, issued[0], issued[1])
+
+
+# [Note: the hang check] (in _hang): what each async collective was, for its wait. Keyed by the
+# Work's id; the Work is held with it so that the id stays its own until the wait.
+_ISSUED: dict[int, tuple[_hang.Where, dist.ProcessGroup | None, dist.Work]] = {}
+_GROUP_KEYS: dict[dist.ProcessGroup | None, str] = {}
+# Where the next collective must first be agreed with the peers (a departure from the recorded
+# order of units: see agree_before_next), and which API the last collective on a group was for.
+_AGREE_NEXT: list[str | None] = [None]
+_LAST_API: dict[str, str | None] = {}
+# API calls issued every step, which the rendezvous would slow: they come after the backward's
+# collectives that already paired (a rank that skipped them waits in its next one instead).
+_NO_RENDEZVOUS = ("clip_grad_norm_", "ShardedGradScaler")
+
+
+def reset_hang_state() -> None:
+    """Start the hang check's numbering afresh (every rank at once: the testing pool does so
+    between tasks, whose collectives a failed task may have left unequal)."""
+    _hang.reset()
+    _LAST_API.clear()
+    _AGREE_NEXT[0] = None
+
+
+def agree_before_next(reason: str) -> None:
+    """Make this rank agree with its peers, through the store, before its next collective
+    (``reason`` says why: its units departed from the order of the first step)."""
+    _AGREE_NEXT[0] = reason
+
+
+def _group_key(group: dist.ProcessGroup | None) -> str:
+    key = _GROUP_KEYS.get(group)
+    if key is None:
+        key = _GROUP_KEYS[group] = _hang.group_key(group)
+    return key
+
+
+def _issue(op: str, group: dist.ProcessGroup | None, label: str) -> _hang.Where:
+    """Name this collective for the hang check, and agree on it with the peers first where
+    fshard can see a mismatch coming (see [Note: the hang check])."""
+    key = _group_key(group)
+    api = label.split("(")[0].split(":")[0] if label.startswith(_API_LABELS) else None
+    where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(), unit=api is None)
+    entering = api is not None and _LAST_API.get(key) != api and not api.startswith(_NO_RENDEZVOUS)
+    _LAST_API[key] = api
+    departure = _AGREE_NEXT[0]
+    reason = "units departed from the first step's order" if departure is not None else None
+    if reason is None and entering:
+        reason = f"{api} is collective"
+    elif reason is None and _DEBUG[0]:
+        reason = "FSHARD_DEBUG=1"
+    if reason is not None and "," in key:
+        _AGREE_NEXT[0] = None
+        with _failure_context(op, label):
+            _hang.rendezvous(where, group, reason, topic=departure)
+    return where
+
+
+def _finish(work: dist.Work | None, where: _hang.Where, group: dist.ProcessGroup | None, async_op: bool) -> dist.Work | None:
+    """An issued collective: returned for a later ``wait`` (async), or waited for now."""
+    if work is None:
+        return None
+    if async_op:
+        _ISSUED[id(work)] = (where, group, work)
+        return work
+    _hang.checked_wait(work, where, group)
+    return None
+
+
+_DEBUG = [debug_checks()]
+
+
+def refresh_debug() -> None:
+    """Read ``FSHARD_DEBUG`` again (tests set it per run)."""
+    _DEBUG[0] = debug_checks()
 
 
 @dataclass
@@ -285,7 +367,9 @@ def all_gather_into(
     _trace("all_gather", group, _nbytes(input), _nbytes(output), input.dtype, label, async_op)
     _record("all_gather", group, label, input.numel())
     with phase(f"fshard::all_gather({label})"), _failure_context("all_gather", label):
-        return _all_gather_single(_as_wire(output), _as_wire(input), group=group, async_op=async_op)
+        where = _issue("all_gather", group, label)
+        work = _all_gather_single(_as_wire(output), _as_wire(input), group=group, async_op=True)
+        return _finish(work, where, group, async_op)
 
 
 def reduce_scatter_into(
@@ -300,9 +384,9 @@ def reduce_scatter_into(
     _trace("reduce_scatter", group, _nbytes(input), _nbytes(output), input.dtype, label, async_op)
     _record("reduce_scatter", group, label, output.numel())
     with phase(f"fshard::reduce_scatter({label})"), _failure_context("reduce_scatter", label):
-        return _reduce_scatter_single(
-            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-        )
+        where = _issue("reduce_scatter", group, label)
+        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _finish(work, where, group, async_op)
 
 
 def all_reduce_(
@@ -317,7 +401,9 @@ def all_reduce_(
     _trace("all_reduce", group, _nbytes(tensor), _nbytes(tensor), tensor.dtype, label, async_op)
     _record("all_reduce", group, label, tensor.numel())
     with phase(f"fshard::all_reduce({label})"), _failure_context("all_reduce", label):
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        where = _issue("all_reduce", group, label)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return _finish(work, where, group, async_op)
 
 
 def broadcast_(
@@ -326,20 +412,37 @@ def broadcast_(
     """Broadcast ``tensor`` in place from global rank ``src``."""
     _trace("broadcast", group, _nbytes(tensor), _nbytes(tensor), tensor.dtype, label, False)
     with phase(f"fshard::broadcast({label})"), _failure_context("broadcast", label):
-        dist.broadcast(_as_wire(tensor), src=src, group=group)
+        where = _issue("broadcast", group, label)
+        _finish(dist.broadcast(_as_wire(tensor), src=src, group=group, async_op=True), where, group, False)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, label: str) -> list[Any]:
     """Gather one picklable object from every rank of ``group`` (setup-time only)."""
-    size = dist.get_world_size(group)
-    out: list[Any] = [None] * size
     _trace("all_gather_object", group, 0, 0, None, label, False)
     with (
         phase(f"fshard::all_gather_object({label})"),
         _failure_context("all_gather_object", label),
     ):
-        dist.all_gather_object(out, obj, group=group)
-    return out
+        if dist.get_backend(group) != "gloo":
+            out: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(out, obj, group=group)
+            return out
+        # As torch's all_gather_object (sizes, then the padded bytes), but as waits the hang
+        # check can look into (see [Note: the hang check]).
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = dist.get_world_size(group)
+        sizes = torch.zeros(size, dtype=torch.int64)
+        where = _issue("all_gather_object", group, label)
+        work = _all_gather_single(sizes, torch.tensor([data.numel()]), group=group, async_op=True)
+        _finish(work, where, group, False)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        gathered = torch.empty(size * longest, dtype=torch.uint8)
+        where = _issue("all_gather_object", group, label)
+        _finish(_all_gather_single(gathered, padded, group=group, async_op=True), where, group, False)
+        rows = gathered.view(size, longest)
+        return [pickle.loads(rows[i, : int(sizes[i])].numpy().tobytes()) for i in range(size)]
 
 
 def gather_into(
@@ -365,6 +468,9 @@ def gather_into(
     _trace("gather", group, _nbytes(input), out_bytes, input.dtype, label, False)
     flat = _as_wire(input.reshape(-1))
     with phase(f"fshard::gather({label})"), _failure_context("gather", label):
+        # Point-to-point: a wait in slices would close gloo's connection, so only the agreement
+        # before it (an API call's first collective) guards it.
+        _issue("gather", group, label)
         if not is_dst:
             dist.send(flat, dst=dst, group=group)
             return
@@ -406,19 +512,31 @@ def scatter_into(
             raise ValueError(f"scatter_into({label}): the source rank {src} needs an input")
         scatter_list = list(_as_wire(input).view(size, -1).unbind(0))
     with phase(f"fshard::scatter({label})"), _failure_context("scatter", label):
-        dist.scatter(_as_wire(output), scatter_list, src=src, group=group)
+        where = _issue("scatter", group, label)
+        work = dist.scatter(_as_wire(output), scatter_list, src=src, group=group, async_op=True)
+        _finish(work, where, group, False)
 
 
 def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None, *, label: str) -> Any:
     """Broadcast one picklable object from global rank ``src``; every rank returns it."""
-    box = [obj]
     _trace("broadcast_object", group, 0, 0, None, label, False)
     with (
         phase(f"fshard::broadcast_object({label})"),
         _failure_context("broadcast_object", label),
     ):
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+        if dist.get_backend(group) != "gloo":
+            box = [obj]
+            dist.broadcast_object_list(box, src=src, group=group)
+            return box[0]
+        is_src = dist.get_rank() == src
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if is_src else None
+        length = torch.tensor([data.numel() if data is not None else 0])
+        where = _issue("broadcast_object", group, label)
+        _finish(dist.broadcast(length, src=src, group=group, async_op=True), where, group, False)
+        buffer = data if data is not None else torch.empty(int(length), dtype=torch.uint8)
+        where = _issue("broadcast_object", group, label)
+        _finish(dist.broadcast(buffer, src=src, group=group, async_op=True), where, group, False)
+        return obj if is_src else pickle.loads(buffer.numpy().tobytes())
 
 
 def on_any_rank(flag: bool, info: MeshInfo, label: str) -> bool:

@@ -63,6 +63,11 @@ class _CollectiveStoreError(CollectiveError, dist.DistStoreError):
     pass
 
 
+class CollectiveMismatchError(CollectiveError, RankMismatchError):
+    """Ranks were about to issue different collectives (found before issuing them, or by the
+    hang check): both a ``CollectiveError`` and a ``RankMismatchError``."""
+
+
 def collective_error(message: str, cause: BaseException) -> CollectiveError:
     """A ``CollectiveError`` that is also an instance of ``cause``'s torch error class."""
     for torch_type, ours in (

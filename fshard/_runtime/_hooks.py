@@ -420,13 +420,18 @@ def _pre_forward(
         # A unit of several modules is gathered once for all of them: see _post_forward.
         group.modules_to_run = {id(m) for m in group.modules}
     root.record(group)
+    # (Before any collective of the unit's: a departure from the first step's order is agreed on
+    # first. Only the unit's first call in the model's forward counts, as for prefetch below.)
+    first_call = group.forward_mark != root.forwards and root.root.training_state is TrainingState.FORWARD
+    if first_call:
+        root.follow(group)
     group.unshard()
     if torch.is_grad_enabled():
         root.grad_forwards += 1
         group.note_forward_versions()
         if _SEQUENCE_NR is not None:
             group.forward_seq = _SEQUENCE_NR()
-    if group.forward_mark != root.forwards and root.root.training_state is TrainingState.FORWARD:
+    if first_call:
         # Prefetch once per model forward, at the unit's first call: a later call (a module of
         # a unit of several, a block run twice) would gather the unit after its first call in
         # the recorded order, which ran and was freed already, and hold it to the end of the

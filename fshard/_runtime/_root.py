@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from fshard import _collectives
+from fshard import _collectives, _hang
 from fshard._errors import ProblemList, RankMismatchError, internal_error
 from fshard._group import (
     ParamGroup,
@@ -49,6 +49,8 @@ class RootState:
         self.groups = groups
         self.units_made = units_made()  # units_under(root) is ``groups`` while this holds
         self.forward_order: list[ParamGroup] = []  # first forward's units, as each started
+        self._followed = 0  # this forward's units checked against forward_order (follow)
+        self._departed = False  # this forward departed from it (once is enough to agree)
         # This step's units (forwards with grad since the last backward), as each first ran,
         # and the order the last checked step (or the first) ran them in: see _check_unit_order.
         self.step_order: list[ParamGroup] = []
@@ -72,6 +74,7 @@ class RootState:
         # each other where they can, so the check names the first difference instead of the
         # step hanging until the timeout on a prefetch the other ranks never issued.
         self._check_every_step = debug_checks()
+        _collectives.refresh_debug()
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
         self._grad_forward_pending = False
         self.warned_sharded_use = False  # see _used_while_sharded in _group
@@ -114,12 +117,19 @@ class RootState:
             self._recording = True
             self.forward_order = []
             self.finish_order = []
+        self._followed = 0
+        _hang.set_departure(None)
 
     def on_root_post_forward(self) -> None:
         if self._recording:
             self._recording = False
             self._recorded = True
             self._build_prefetch_plan()
+        elif self._followed < len(self.forward_order) and not self._departed:
+            # Units of the first step did not run in this forward: see follow.
+            missing = self.forward_order[self._followed]
+            self._depart(f"this forward ended before unit {missing.label} ran, which the first step ran")
+        self._departed = False
         # Free what was prefetched for a unit that then did not run (a skipped block, a wrong
         # explicit list): no backward gathers it; after an inference forward, free everything.
         inference = not torch.is_grad_enabled() and not self._grad_forward_pending
@@ -152,6 +162,28 @@ class RootState:
         self.step_order = []
         self.steps += 1
         self._order_checked = False
+
+    def follow(self, group: ParamGroup) -> None:
+        """``group`` starts its first call in this forward of the model: check it against the
+        order of the first step's forward. A rank whose units depart from it (a unit skipped
+        or run out of turn here) agrees with its peers before its next collective, so that
+        ranks that ran different units fail with a clear error instead of pairing one unit's
+        gathers with another's (see [Note: the hang check] in _hang). Ranks that all depart
+        alike (data-dependent order they share) agree at once and go on."""
+        if self._recording or not self._recorded:
+            return
+        at = self._followed
+        self._followed += 1
+        order = self.forward_order
+        if self._departed or (at < len(order) and order[at] is group):
+            return
+        expected = order[at].label if at < len(order) else "none (the first step ran fewer units)"
+        self._depart(f"unit {group.label} ran as unit #{at + 1} of this forward, where the first step ran {expected}")
+
+    def _depart(self, why: str) -> None:
+        self._departed = True
+        _hang.set_departure(why)
+        _collectives.agree_before_next(why)
 
     def record(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:

@@ -256,6 +256,9 @@ def _worker_main(
             break
         task_id, payload = item
         try:
+            from fshard._collectives import reset_hang_state
+
+            reset_hang_state()
             fn, args, kwargs = pickle.loads(payload)
             value = fn(*args, **kwargs)
             data = pickle.dumps(value)

@@ -776,7 +776,12 @@ def test_units_swapped_between_ranks_after_the_first_step_are_an_error_before_th
         1,
         False,
         error=fshard.RankMismatchError,
-        match=lambda m: "unit #3 to run was 'layers.1' on rank 0 but 'layers.2' on rank 1" in m
+        # Found in the forward now, before the first collective of the units that differ (it
+        # was found at the start of the backward): rank 1 ran 'layers.2' where the first step
+        # ran 'layers.1'; rank 0 ran 'layers.3' where the first step ran 'layers.2'.
+        match=lambda m: "the ranks were about to issue different collectives" in m
+        and "unit 'layers.2' ran as unit #3 of this forward, where the first step ran 'layers.1'" in m
+        and "unit 'layers.3' ran as unit #3 of this forward, where the first step ran 'layers.2'" in m
         and "seeded alike on every rank" in m,
     )
 
