@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
+from fshard._bucket import GATHERED
 from fshard._errors import ProblemList, RankMismatchError, first_few
-from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._hooks import (
     check_prefetch_alike,
     check_prefetch_targets,
@@ -33,9 +33,9 @@ from fshard._hooks import (
 )
 from fshard._mesh import MeshInfo, default_mesh, mesh_info
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
-from fshard._param import GATHERED, ParamSlot
+from fshard._param import ParamSlot, ShardedParameter, is_sharded
 from fshard._placement import ShardLayout, shard_layout
-from fshard._sharded import ShardedParameter, is_sharded
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState, group_of
 
 __all__ = [
     "fully_shard",
@@ -206,7 +206,7 @@ def fully_shard(
         if id(param) in ignored:
             continue
         if is_sharded(param):
-            owner = param._fshard_slot.group_ref()
+            owner = group_of(param._fshard_slot)
             if owner is not None and id(owner) not in inner_units:
                 if any(m is mine for top in owner.modules for m in top.modules() for mine in modules):
                     problems.add(
@@ -1026,7 +1026,7 @@ def _clip_mark(slot: ParamSlot) -> int:
     """A 16-bit hash of the parameter's unit and name, kept once the root named them."""
     if slot.clip_mark is not None:
         return slot.clip_mark
-    group = slot.group_ref()
+    group = group_of(slot)
     name = f"{group.trace_name if group is not None else ''}/{slot.fqn}"
     mark = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=2).digest(), "little")
     if group is not None and group.fqn is not None:  # (before root init, names are partial)

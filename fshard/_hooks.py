@@ -41,18 +41,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, first_few, internal_error
-from fshard._group import (
-    KEPT_GATHERED,
-    ParamGroup,
-    PendingAllReduce,
-    PendingReduce,
-    ShardedState,
-    TrainingState,
-)
 from fshard._mesh import MeshInfo
 from fshard._options import BackwardPrefetch
+from fshard._param import is_sharded
 from fshard._profiling import phase
-from fshard._sharded import is_sharded
+from fshard._unit._group import KEPT_GATHERED, ParamGroup, ShardedState, TrainingState
+from fshard._unit._reduce import PendingAllReduce, PendingReduce
 
 __all__ = [
     "BackwardPrefetch",
@@ -763,7 +757,7 @@ class _UnitHook:
         target = self.ref()
         if target is None:
             return TypeError("cannot copy or pickle a hook of an fshard unit that no longer exists")
-        return target._refuse_copy()
+        return target.refuse_copy()
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[object, ...]:
         raise self._refuse()

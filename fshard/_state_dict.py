@@ -59,7 +59,6 @@ from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
 from fshard._errors import ProblemList, first_few, internal_error
-from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._hooks import (
     SHARDS_KEY,
     check_optimizer_state,
@@ -70,6 +69,7 @@ from fshard._hooks import (
 )
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState, group_of
 from fshard.transforms import Layout, TensorLayout
 
 __all__ = [
@@ -547,7 +547,7 @@ def on_module_load_state_dict(
             f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
             "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
         )
-    groups = {id(g): g for _, slot in keys if (g := slot.group_ref()) is not None}
+    groups = {id(g): g for _, slot in keys if (g := group_of(slot)) is not None}
     _free_for_load(list(groups.values()), where)  # the units gather again on their next use
     foreign = {key: _foreign_shard(f"key {key!r}", state_dict[key], slot) for key, slot in keys}
     on_mesh = [
