@@ -28,12 +28,7 @@ from fshard._profiling import phase
 from fshard._unit._backward import InputWaiter, UnitBackward
 from fshard._unit._context import RootContext
 from fshard._unit._grad_hooks import ensure_grad_hooks, forward_tensor_hooks
-from fshard._unit._reduce import (
-    PendingAllReduce,
-    Reduced,
-    reduce_scatter_grads,
-    summed_grad,
-)
+from fshard._unit._reduce import UnitGrads, reduce_scatter_grads, summed_grad
 
 if TYPE_CHECKING:
     from fshard._mesh import MeshInfo
@@ -90,7 +85,7 @@ KEPT_GATHERED: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 
-class ParamGroup(UnitBackward):
+class ParamGroup(UnitBackward, UnitGrads):
     """The state of one unit: its parameters, their flat buckets and the unit's state machine."""
 
     def __init__(
@@ -147,8 +142,7 @@ class ParamGroup(UnitBackward):
         # The running forward's inputs as passed through _InputsGradReady: id(passed) ->
         # (passed, what the unit was given), to hand back the latter if the unit returns one.
         self.passed_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        # Sharded partial sums awaiting the cross-replica all-reduce (HSDP, reduce_scatter=True).
-        self._partials: dict[int, Reduced] = {}
+        self._partials = {}  # see UnitGrads
         self._grad_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         # All-gather outputs issued and not yet waited for: a unit collected with some (its
         # model dropped after a forward raised) takes them out of the gathered-bytes count.
@@ -202,12 +196,95 @@ class ParamGroup(UnitBackward):
             return type(self.module).__name__
         return self.fqn or "<root>"
 
+    # ----------------------------------------------------------------------------------- state
+
+    def describe_state(self) -> str:
+        """The unit's state for messages, implicit sub-states included: ``hidden`` (unsharded
+        but the modules hold the shards), rows kept by ``reshard_after_forward=<int>``, parked
+        between two forwards' parts of one backward."""
+        sharded = self.sharded_state.value
+        if self.is_hidden():
+            sharded += " (hidden)"
+        elif self._kept_rows is not None:
+            sharded += f" (rows kept for {self._kept_rows.target.size} ranks)"
+        training = self.training_state.value + (" (parked)" if self.parked else "")
+        return f"{sharded}, {training}"
+
+    def _require(self, transition: str, ok: bool, expected: str) -> None:
+        """Fail ``transition`` unless ``ok``: an fshard bug, named with the unit and its state."""
+        if not ok:
+            raise internal_error(
+                f"{transition} on unit {self.label} in state {self.describe_state()}; "
+                f"expected {expected}"
+            )
+
+    def pre_forward(self) -> None:
+        """The unit's forward begins (not a recompute in backward): IDLE/FORWARD -> FORWARD.
+
+        The first forward since the last backward starts the backward bookkeeping afresh; a
+        call of a module of this unit inside another's forward sets the outer one's passed
+        inputs aside (``forward_depth``)."""
+        self._require("pre_forward", self.root is not None, "the root's lazy init to have run")
+        if self.training_state is TrainingState.IDLE and not self.ran_since_backward:
+            self.reset_backward()  # the first forward since the last backward
+        self.training_state = TrainingState.FORWARD
+        self.ran_since_backward = True
+        if self.forward_depth > 0:
+            # A module of this unit (of several) called inside the forward of another of them:
+            # the outer call's passed inputs wait (see _hooks._post_forward).
+            self.outer_passed.append(self.passed_inputs)
+            self.passed_inputs = None
+        self.forward_depth += 1
+        if len(self.modules) > 1 and not self.modules_to_run:
+            # A unit of several modules is gathered once for all of them (see _hooks).
+            self.modules_to_run = {id(m) for m in self.modules}
+
+    def post_forward(self, *, free: bool, grad_enabled: bool, model_forward_running: bool) -> bool:
+        """The unit's outermost forward call returned: -> IDLE, freeing the unit if ``free``
+        (after a forward with grad and ``reshard_after_forward=<int>``, to the rows kept for the
+        backward).
+
+        A unit of several modules some of which have not run yet in the model's forward stays
+        unsharded for them; if one does not run after all, the end of the model's forward
+        frees it (``deferred_reshard``). Returns whether it resharded to the post-forward group
+        (rows kept for the backward, which the root's next forward drops if unused)."""
+        self._require("post_forward", self.forward_depth == 0, "its outermost forward call")
+        kept_rows = False
+        if free:
+            if self.modules_to_run and model_forward_running:
+                self.deferred_reshard = True
+            elif grad_enabled and self.post_forward_size:
+                self.reshard_post_forward()
+                self.deferred_reshard = False
+                kept_rows = True
+            else:
+                self.reshard()
+                self.deferred_reshard = False
+        self.training_state = TrainingState.IDLE
+        return kept_rows
+
+    def pre_backward(self) -> None:
+        """The unit's backward begins (or goes on: a later output's hook): -> PRE_BACKWARD,
+        unsharded. Not for a unit whose backward is over (reduced, or freed once every
+        gradient arrived): gathering again on some ranks only would leave collectives
+        unpaired."""
+        self._require(
+            "pre_backward",
+            not self._reduced and not self._freed_in_backward,
+            "a unit whose backward is not over",
+        )
+        if self.training_state is TrainingState.PRE_BACKWARD and (
+            self.sharded_state is ShardedState.UNSHARDED
+        ):
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+
     # ---------------------------------------------------------------------------------- layout
 
     def set_slots(self, slots: list[ParamSlot], locals_: list[torch.Tensor]) -> None:
         """(Re)build the buckets for ``slots`` whose local shards are ``locals_``."""
-        if self.sharded_state is not ShardedState.SHARDED:
-            raise internal_error(f"unit {self.label} rebuilt while {self.sharded_state.value}")
+        self._require("set_slots", self.sharded_state is ShardedState.SHARDED, "a sharded unit")
         for handle in self._grad_hook_handles:
             handle.remove()
         self._grad_hook_handles = []
@@ -312,46 +389,42 @@ class ParamGroup(UnitBackward):
             kept = None
         self.ensure_packed()
         with phase(f"fshard::unshard({self.trace_name})"):
-            pending: list[tuple[FlatBucket, dist.Work | None, torch.Tensor, int]] = []
-            for index, bucket in enumerate(self.buckets):
-                if bucket.aliased:
-                    continue
-                rows = kept.rows[index] if kept is not None else None
-                if kept is not None and rows is not None:
-                    output = torch.empty(kept.target.size * rows.numel(), dtype=rows.dtype, device=rows.device)
-                    nbytes = output.numel() * output.element_size()
-                    GATHERED.add(nbytes)
-                    self._in_flight_bytes[0] += nbytes
-                    work = _collectives.all_gather_into(
-                        output, rows, kept.target.group, label=self.trace_name, async_op=async_op
-                    )
-                    pending.append((bucket, work, output, kept.target.size))
-                    continue
-                all_gather_input = bucket.all_gather_input()
-                size = self.mesh_info.shard_size
-                if size == 1:
-                    pending.append((bucket, None, all_gather_input, 0))
-                    continue
-                all_gather_output = torch.empty(
-                    size * bucket.total, dtype=all_gather_input.dtype, device=all_gather_input.device
-                )
-                nbytes = all_gather_output.numel() * all_gather_output.element_size()
-                GATHERED.add(nbytes)
-                self._in_flight_bytes[0] += nbytes
-                work = _collectives.all_gather_into(
-                    all_gather_output,
-                    all_gather_input,
-                    self.mesh_info.shard_group,
-                    label=self.trace_name,
-                    async_op=async_op,
-                )
-                pending.append((bucket, work, all_gather_output, 0))
-            self._pending_gather = pending
+            self._pending_gather = self._issue_all_gathers(kept, async_op)
             # What the gather reads: the shards, or rows kept from when the forward read them.
             self._versions_at_gather = kept.versions if kept is not None else self._shard_versions()
             self.sharded_state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
+
+    def _issue_all_gathers(
+        self, kept: _KeptRows | None, async_op: bool
+    ) -> list[tuple[FlatBucket, dist.Work | None, torch.Tensor, int]]:
+        """All-gather every bucket that is not aliased: its all-gather input over the shard
+        group, or the rows kept from the forward over their smaller group (``parts`` > 0)."""
+        pending: list[tuple[FlatBucket, dist.Work | None, torch.Tensor, int]] = []
+        size = self.mesh_info.shard_size
+        for index, bucket in enumerate(self.buckets):
+            if bucket.aliased:
+                continue
+            rows = kept.rows[index] if kept is not None else None
+            if kept is not None and rows is not None:
+                inputs, group, parts = rows, kept.target.group, kept.target.size
+            else:
+                inputs, group, parts = bucket.all_gather_input(), self.mesh_info.shard_group, 0
+                if size == 1:
+                    pending.append((bucket, None, inputs, 0))  # the all-gather output itself
+                    continue
+            output = torch.empty(
+                (parts or size) * inputs.numel(), dtype=inputs.dtype, device=inputs.device
+            )
+            nbytes = output.numel() * output.element_size()
+            GATHERED.add(nbytes)
+            self._in_flight_bytes[0] += nbytes
+            work = _collectives.all_gather_into(
+                output, inputs, group, label=self.trace_name, async_op=async_op
+            )
+            pending.append((bucket, work, output, parts))
+        return pending
 
     def wait_for_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gathers and register the full params."""
@@ -359,8 +432,11 @@ class ParamGroup(UnitBackward):
             if not self.unsharded_registered:
                 self._register_unsharded()
             return
-        if self.sharded_state is not ShardedState.UNSHARDING:
-            raise internal_error(f"wait_for_unshard on unit {self.label} that is sharded")
+        self._require(
+            "wait_for_unshard",
+            self.sharded_state is ShardedState.UNSHARDING,
+            "an all-gather issued (unsharding) or done (unsharded)",
+        )
         with phase(f"fshard::copy_out({self.trace_name})"):
             from_kept = False
             for bucket, work, all_gather_output, parts in self._pending_gather:
@@ -524,6 +600,9 @@ class ParamGroup(UnitBackward):
     def reshard_post_forward(self) -> None:
         """After a forward with grad: free the gathered params but keep this rank's block of
         their rows for the backward's all-gather over ``post_forward_size`` ranks."""
+        self._require(
+            "reshard_post_forward", self.post_forward_size > 0, "reshard_after_forward=<int>"
+        )
         if self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
         self.drop_kept_rows()
@@ -606,6 +685,7 @@ class ParamGroup(UnitBackward):
         parameter's gradient lands in ``.grad`` once its every use is done). The moments are
         the hooks every rank runs alike. A unit called twice in a row (weights shared across
         depth) is not released between its calls: nothing else begins in between."""
+        self._require("release_parked", self.parked, "a parked unit (see on_inputs_grad_ready)")
         self.parked = False
         self.reshard()
         self.training_state = TrainingState.POST_BACKWARD
@@ -638,53 +718,6 @@ class ParamGroup(UnitBackward):
                 self.accumulate_unsynced_grads()
         self.training_state = TrainingState.POST_BACKWARD
         self._maybe_finish_backward()
-
-    def has_unreduced_grads(self) -> bool:
-        """Gradients that no ``.grad`` shows yet: full ones kept under ``no_sync``, or (2D mesh,
-        sharded accumulation) shard-group sums waiting for the cross-replica all-reduce."""
-        return self.has_unsharded_grads() or bool(self._partials)
-
-    def has_unsharded_grads(self) -> bool:
-        return any(
-            s.accumulated_grad is not None
-            or (s.unsharded_param is not None and s.unsharded_param.grad is not None)
-            for s in self.slots
-        )
-
-    def reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
-        """The dtype gradients of ``bucket`` are reduced (and accumulated unsynced) in."""
-        mp = self.mp_policy
-        if mp is not None and mp.reduce_dtype is not None and bucket.compute_dtype.is_floating_point:
-            return mp.reduce_dtype
-        return bucket.compute_dtype
-
-    def mark_awaiting_sync(self) -> None:
-        """After an unsynchronised backward: the params requiring grad now keep their place in
-        the next reduces until one synchronises, so a param frozen in between loses nothing."""
-        for slot in self.slots:
-            if slot.requires_grad:
-                slot.awaiting_sync = True
-
-    def accumulate_unsynced_grads(self) -> None:
-        """Under ``no_sync``: move this backward's full gradients into the reduce-dtype sums
-        where the reduce dtype is not the compute dtype, as DDP-equal accumulation needs."""
-        for bucket in self.buckets:
-            dtype = self.reduce_dtype(bucket)
-            if dtype == bucket.compute_dtype:
-                continue  # autograd's own accumulation into .grad is exact enough
-            for slot in bucket.slots:
-                unsharded = slot.unsharded_param
-                if unsharded is None or unsharded.grad is None:
-                    continue
-                grad, unsharded.grad = unsharded.grad, None
-                if slot.accumulated_grad is None:
-                    slot.accumulated_grad = grad.to(dtype)
-                else:
-                    slot.accumulated_grad.add_(grad)
-
-    def drop_unsharded_grads(self) -> None:
-        for slot in self.slots:
-            slot.drop_unsharded_grad()
 
     def reduce_grads(self) -> None:
         """Reduce-scatter (and on 2D meshes all-reduce) every bucket's unsharded grads."""
@@ -722,35 +755,6 @@ class ParamGroup(UnitBackward):
                 follow_up = pending.finish()
                 if follow_up is not None:
                     follow_up.finish()
-
-    def land_reduced(self, index: int, reduced: Reduced) -> PendingAllReduce | None:
-        """After a bucket's reduce-scatter: set the sharded grads, or (2D mesh) issue the
-        cross-replica all-reduce that will, returned as a ``PendingAllReduce``."""
-        info = self.mesh_info
-        if info.replicate_group is not None and info.replicate_size > 1:
-            partial = self._partials.pop(index, None)
-            if partial is not None:
-                reduced = reduced.merged_with(partial)
-            if not self.requires_gradient_sync:
-                # Sharded accumulation: keep the shard-group sum, all-reduce on the sync step.
-                self._partials[index] = reduced
-                return None
-            work = _collectives.all_reduce_(
-                reduced.output, info.replicate_group, label=self.trace_name, async_op=True
-            )
-            return PendingAllReduce(reduced, work, self.trace_name, carries_sums=partial is not None)
-        reduced.assign()
-        return None
-
-    def flush_partials(self) -> None:
-        """On a synchronised backward, all-reduce partial sums this step did not touch."""
-        if not self._partials or not self.requires_gradient_sync:
-            return
-        for index in sorted(self._partials):
-            reduced = self._partials.pop(index)
-            _collectives.all_reduce_(reduced.output, self.mesh_info.replicate_group, label=self.trace_name)
-            reduced.assign()
-
 
 def _forget_in_flight(in_flight_bytes: list[int]) -> None:
     GATHERED.sub(in_flight_bytes[0])

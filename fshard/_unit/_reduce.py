@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fshard import _collectives
-from fshard._bucket import chunk_cat
+from fshard._bucket import FlatBucket, chunk_cat
 from fshard._param import ParamSlot
 from fshard._placement import divide_factors
 from fshard._profiling import phase
@@ -24,12 +24,14 @@ from fshard._unit._grad_hooks import run_user_grad_hooks
 
 if TYPE_CHECKING:
     from fshard._mesh import MeshInfo
+    from fshard._options import MixedPrecision
 
 __all__ = [
     "PendingAllReduce",
     "PendingReduce",
     "ReduceOwner",
     "Reduced",
+    "UnitGrads",
     "reduce_scatter_grads",
     "summed_grad",
 ]
@@ -287,3 +289,102 @@ class Reduced(NamedTuple):
             else:
                 param.grad.add_(grad)
             run_user_grad_hooks(param)
+
+
+class UnitGrads:
+    """The part of a unit that holds its unsharded grads until they are reduced, and lands
+    the reduced ones (see [Note: fshard tensors] in ``_param``).
+
+    A base of ``ParamGroup``, which provides the members declared first below.
+    """
+
+    # ----------------------------------------------------------- provided by ParamGroup
+
+    slots: list[ParamSlot]
+    buckets: list[FlatBucket]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecision | None
+    requires_gradient_sync: bool
+    # Sharded partial sums awaiting the cross-replica all-reduce (HSDP, reduce_scatter=True).
+    _partials: dict[int, Reduced]
+
+    @property
+    def trace_name(self) -> str:
+        raise NotImplementedError  # ParamGroup: how traces name the unit
+
+    # ------------------------------------------------------------------------ grads
+
+    def has_unreduced_grads(self) -> bool:
+        """Gradients that no ``.grad`` shows yet: full ones kept under ``no_sync``, or (2D mesh,
+        sharded accumulation) shard-group sums waiting for the cross-replica all-reduce."""
+        return self.has_unsharded_grads() or bool(self._partials)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            s.accumulated_grad is not None
+            or (s.unsharded_param is not None and s.unsharded_param.grad is not None)
+            for s in self.slots
+        )
+
+    def reduce_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        """The dtype gradients of ``bucket`` are reduced (and accumulated unsynced) in."""
+        mp = self.mp_policy
+        if mp is not None and mp.reduce_dtype is not None and bucket.compute_dtype.is_floating_point:
+            return mp.reduce_dtype
+        return bucket.compute_dtype
+
+    def mark_awaiting_sync(self) -> None:
+        """After an unsynchronised backward: the params requiring grad now keep their place in
+        the next reduces until one synchronises, so a param frozen in between loses nothing."""
+        for slot in self.slots:
+            if slot.requires_grad:
+                slot.awaiting_sync = True
+
+    def accumulate_unsynced_grads(self) -> None:
+        """Under ``no_sync``: move this backward's full gradients into the reduce-dtype sums
+        where the reduce dtype is not the compute dtype, as DDP-equal accumulation needs."""
+        for bucket in self.buckets:
+            dtype = self.reduce_dtype(bucket)
+            if dtype == bucket.compute_dtype:
+                continue  # autograd's own accumulation into .grad is exact enough
+            for slot in bucket.slots:
+                unsharded = slot.unsharded_param
+                if unsharded is None or unsharded.grad is None:
+                    continue
+                grad, unsharded.grad = unsharded.grad, None
+                if slot.accumulated_grad is None:
+                    slot.accumulated_grad = grad.to(dtype)
+                else:
+                    slot.accumulated_grad.add_(grad)
+
+    def drop_unsharded_grads(self) -> None:
+        for slot in self.slots:
+            slot.drop_unsharded_grad()
+
+    def land_reduced(self, index: int, reduced: Reduced) -> PendingAllReduce | None:
+        """After a bucket's reduce-scatter: set the sharded grads, or (2D mesh) issue the
+        cross-replica all-reduce that will, returned as a ``PendingAllReduce``."""
+        info = self.mesh_info
+        if info.replicate_group is not None and info.replicate_size > 1:
+            partial = self._partials.pop(index, None)
+            if partial is not None:
+                reduced = reduced.merged_with(partial)
+            if not self.requires_gradient_sync:
+                # Sharded accumulation: keep the shard-group sum, all-reduce on the sync step.
+                self._partials[index] = reduced
+                return None
+            work = _collectives.all_reduce_(
+                reduced.output, info.replicate_group, label=self.trace_name, async_op=True
+            )
+            return PendingAllReduce(reduced, work, self.trace_name, carries_sums=partial is not None)
+        reduced.assign()
+        return None
+
+    def flush_partials(self) -> None:
+        """On a synchronised backward, all-reduce partial sums this step did not touch."""
+        if not self._partials or not self.requires_gradient_sync:
+            return
+        for index in sorted(self._partials):
+            reduced = self._partials.pop(index)
+            _collectives.all_reduce_(reduced.output, self.mesh_info.replicate_group, label=self.trace_name)
+            reduced.assign()
