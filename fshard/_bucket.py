@@ -158,7 +158,7 @@ class FlatBucket:
         slot.unsharded_buffer = buffer
         slot.unsharded_param = nn.Parameter(view.data, requires_grad=slot.requires_grad)
         # A marker (the optimizer check, module.state_dict()): the slot it gathers, held weakly.
-        slot.unsharded_param._fshard_gathered_of = weakref.ref(slot)  # type: ignore[attr-defined]
+        slot.unsharded_param._fshard_gathered_of = weakref.ref(slot)  # type: ignore[attr-defined]  # marker on our own tensor
 
     # ----------------------------------------------------------------------------- unsharding
 

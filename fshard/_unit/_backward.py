@@ -5,13 +5,13 @@ A unit's backward is done when the gradients of its forward inputs are ready: an
 autograd Function on the inputs says so, at the same point of the backward on every rank
 (every node of the unit that reads its params leads to the inputs, detached uses of a weight
 included). Then the unit is freed and its gradients reduced, in that order, so the reduce's
-full-size input never coexists with the gathered params. Counting arrived gradients would not
+full-size input never coexists with the unsharded params. Counting arrived gradients would not
 do: a param used on some ranks only (an expert the router skipped here) leaves the count short
 on those ranks, which would reduce later than the others and pair the wrong collectives.
 
 A forward run without grad inside an autograd Function's forward, within a forward with grad
 or on inputs requiring grad (a reentrant checkpoint's segment), arms that identity when its
-recompute runs in backward; until then the unit is not done, and stays gathered once gathered
+recompute runs in backward; until then the unit is not done, and stays unsharded once gathered
 for it. Without grad outside such a Function (a target computed under a plain no_grad), no
 backward will come for that call: it counts for nothing, as an inference forward.
 
@@ -117,7 +117,7 @@ class UnitBackward:
         self.backward_may_come = False
         self.inputs_grad_awaited = False  # one of them, with grad, had inputs requiring grad
         # This backward reached the graph of a forward from before the last backward: the
-        # unit stays gathered, and is reduced, to the end (see _pre_backward_of_earlier_graph).
+        # unit stays unsharded, and is reduced, to the end (see _pre_backward_of_earlier_graph).
         self.earlier_graph = False
         # One forward's part of this backward is done, another forward's is still to come
         # (two forwards before one backward): see park / release_parked.
@@ -133,7 +133,7 @@ class UnitBackward:
         claims = getattr(ctx, "_fshard_segment_claims", None)
         if claims is None:
             claims = []
-            ctx._fshard_segment_claims = claims  # type: ignore[attr-defined]
+            ctx._fshard_segment_claims = claims  # type: ignore[attr-defined]  # held by the autograd Function ctx
         claims.append(claim)
         self._segments.add(claim)
 
@@ -142,7 +142,7 @@ class UnitBackward:
             self._segments.pop()
 
     def may_need_params_in_backward(self) -> bool:
-        """Whether this step's backward may read the gathered params (they need grad, or a
+        """Whether this step's backward may read the unsharded params (they need grad, or a
         forward input did)."""
         return self._num_grad_params > 0 or len(self._waiters) > 0
 
@@ -218,7 +218,7 @@ class UnitBackward:
         self._freed_in_backward = True
 
     def _frozen_or_nested_keep(self) -> bool:
-        """For a unit without inputs requiring grad: whether its params must stay gathered
+        """For a unit without inputs requiring grad: whether its params must stay unsharded
         until the backward ends, though all its gradients arrived."""
         if self.num_grad_params < len(self.slots):
             # Frozen params, and no forward input requiring grad to tell when they are no

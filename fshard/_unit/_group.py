@@ -62,11 +62,11 @@ class TrainingState(Enum):
 
 # [Note: resharding to a smaller group after forward]
 # With ``reshard_after_forward=N`` (an int dividing the shard dimension's size S), a forward with
-# grad ends by keeping 1/N of the gathered parameters rather than none (True) or all (False):
+# grad ends by keeping 1/N of the unsharded parameters rather than none (True) or all (False):
 # the N consecutive ranks of the shard group around this rank share them, each keeping the
 # rows of S/N of the S shards, and the backward all-gathers them over those N ranks only (one
 # host's, on a multi-host job) instead of over S. Rank p of the N keeps block p: rows
-# [p * S/N, (p + 1) * S/N) of every parameter's rank-major gathered buffer, slot after slot, so
+# [p * S/N, (p + 1) * S/N) of every parameter's rank-major unsharded buffer, slot after slot, so
 # that the N blocks gathered rank-major are that buffer again, cut in N. The rows are the
 # values the forward gathered (the backward must see those), valid while the shards' version
 # counters are unchanged; any other freeing of the unit drops them, and so does the next
@@ -77,7 +77,7 @@ class _KeptRows(NamedTuple):
     versions: tuple[int, ...]  # the shards' version counters when the forward gathered
 
 
-# Units that were holding gathered parameters aside (hidden: kept from a forward for its
+# Units that were holding unsharded parameters aside (hidden: kept from a forward for its
 # backward, or from a backward without gradient sync) or rows kept by reshard_after_forward=<int>:
 # an optimizer step over their parameters frees them first (see _hooks._free_kept_before_step).
 # Pruned there, lazily.
@@ -124,13 +124,13 @@ class ParamGroup(UnitBackward, UnitGrads):
         self.slots: list[ParamSlot] = []
         self.buckets: list[FlatBucket] = []
         self.sharded_state = ShardedState.SHARDED
-        # Whether the modules hold the gathered params (they hold the shards again once the
-        # model's forward is over, though the gathered storage may be kept for backward).
+        # Whether the modules hold the unsharded params (they hold the shards again once the
+        # model's forward is over, though the unsharded storage may be kept for backward).
         self.unsharded_registered = False
         self.training_state = TrainingState.IDLE
         # Gradient sync controls (no_sync / set_requires_gradient_sync).
         self.requires_gradient_sync = True
-        # False (set_reshard_after_backward): the gathered params outlive the backward, hidden,
+        # False (set_reshard_after_backward): the unsharded params outlive the backward, hidden,
         # and the next forward uses them if the shards did not change since (no all-gather).
         self.reshard_after_backward = True
         # The sum over data-parallel ranks is divided by this (None: their number, the average,
@@ -312,10 +312,10 @@ class ParamGroup(UnitBackward, UnitGrads):
             )
             bucket.pack([m[1] for m in members])
             self.buckets.append(bucket)
-        # Params whose gathered copy is separate storage (not the shard itself): edits made to
-        # it in place are lost when the unit is freed ([Note: edits to gathered copies]).
+        # Params whose unsharded copy is separate storage (not the shard itself): edits made to
+        # it in place are lost when the unit is freed ([Note: edits to unsharded copies]).
         self._copied_slots = [slot for b in self.buckets if not b.aliased for slot in b.slots]
-        self._gathered_versions: list[int] | None = None
+        self._unsharded_versions: list[int] | None = None
         # The shards' version counters when the latest forward with grad read them: a backward
         # of that forward (or of an older, retained graph) checks them. Noted per slot, so a
         # forward before a rebuild has no say.
@@ -454,14 +454,14 @@ class ParamGroup(UnitBackward, UnitGrads):
             if from_kept:
                 self.drop_kept_rows()  # gathered again: the full params hold them now
             self._register_unsharded()
-            self._note_gathered_versions()
+            self._note_unsharded_versions()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _shard_versions(self) -> tuple[int, ...]:
         return tuple(s.sharded_param._version for s in self.slots)
 
     def _register_unsharded(self) -> None:
-        """Put the gathered params in the modules (with the shards' ``requires_grad``)."""
+        """Put the unsharded params in the modules (with the shards' ``requires_grad``)."""
         num_grad_params = 0
         for slot in self.slots:
             unsharded = slot.unsharded_param
@@ -478,21 +478,21 @@ class ParamGroup(UnitBackward, UnitGrads):
         self._num_grad_params = num_grad_params
         self.unsharded_registered = True
 
-    # [Note: edits to gathered copies]
-    # A unit's forward computes with gathered copies; an in-place change to one (an
+    # [Note: edits to unsharded copies]
+    # A unit's forward computes with unsharded copies; an in-place change to one (an
     # nn.Embedding with max_norm renormalising its rows, a weight clamped inside forward, an
     # edit between fshard.unshard and fshard.reshard) changes the copy, not the shard, and is
     # dropped when the unit is freed, where DDP would keep it. The copies' version counters
     # (their own: see [Note: storage reuse]) tell, so freeing warns, naming the parameters.
 
-    def _note_gathered_versions(self) -> None:
-        self._gathered_versions = [
+    def _note_unsharded_versions(self) -> None:
+        self._unsharded_versions = [
             s.unsharded_param._version if s.unsharded_param is not None else 0
             for s in self._copied_slots
         ]
 
     def _warn_on_dropped_edits(self) -> None:
-        before, self._gathered_versions = self._gathered_versions, None
+        before, self._unsharded_versions = self._unsharded_versions, None
         if not before:
             return
         changed = [
@@ -539,7 +539,7 @@ class ParamGroup(UnitBackward, UnitGrads):
                 with torch.no_grad():
                     shard.copy_(rows.reshape(layout.local_shape))
         if not check_only:
-            self._note_gathered_versions()  # the edits are kept now
+            self._note_unsharded_versions()  # the edits are kept now
 
     def note_forward_versions(self) -> None:
         """Remember the shards' version counters as a forward with grad reads them."""
@@ -572,13 +572,13 @@ class ParamGroup(UnitBackward, UnitGrads):
         return self.sharded_state is ShardedState.UNSHARDED and not self.unsharded_registered
 
     def gathered_storage_ptrs(self) -> set[int]:
-        """The storages of this unit's gathered copies that freeing it releases."""
+        """The storages of this unit's unsharded copies that freeing it releases."""
         ptrs = {b.unsharded_storage_ptr() for b in self.buckets}
         ptrs.discard(0)
         return ptrs
 
     def hide_unsharded(self) -> None:
-        """Put the shards back in the modules but keep the gathered storage (which autograd
+        """Put the shards back in the modules but keep the unsharded storage (which autograd
         saved for backward): outside a forward or backward, ``model.parameters()``, hence
         ``model.zero_grad()``, in-place edits and optimizers built then, see the shards."""
         if self.sharded_state is ShardedState.UNSHARDED and self.unsharded_registered:
@@ -598,7 +598,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         return self._kept_rows is not None
 
     def reshard_post_forward(self) -> None:
-        """After a forward with grad: free the gathered params but keep this rank's block of
+        """After a forward with grad: free the unsharded params but keep this rank's block of
         their rows for the backward's all-gather over ``post_forward_size`` ranks."""
         self._require(
             "reshard_post_forward", self.post_forward_size > 0, "reshard_after_forward=<int>"
@@ -628,7 +628,7 @@ class ParamGroup(UnitBackward, UnitGrads):
             self._kept_bytes[0] = 0
 
     def reshard(self) -> None:
-        """UNSHARDED -> SHARDED: swap the shards back in and free the gathered storage (and
+        """UNSHARDED -> SHARDED: swap the shards back in and free the unsharded storage (and
         any rows kept from a forward: see [Note: resharding to a smaller group after forward])."""
         if self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
@@ -657,7 +657,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         self.training_state = TrainingState.IDLE
 
     def free_after_backward(self) -> None:
-        """The unit's backward is done with its gathered params: free them, or, with
+        """The unit's backward is done with its unsharded params: free them, or, with
         ``reshard_after_backward`` off and in a backward without gradient sync (a gradient
         accumulation micro-batch), put the shards back in the modules and keep the gathered
         storage for the next forward (``unshard`` shows it again if the shards have not
@@ -679,7 +679,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         """Another unit's backward began after this one's part for one forward ended, with the
         part for another forward still to come (two forwards before one backward: the second
         forward's backward first, through every unit, then the first's). Free the params, as
-        between two steps, so that the units of the first pass are not all held gathered
+        between two steps, so that the units of the first pass are not all held unsharded
         until the second reaches them; that one gathers this unit again. Its gradients are
         reduced once, when its last part is done (autograd adds the parts up in any case: a
         parameter's gradient lands in ``.grad`` once its every use is done). The moments are
@@ -707,8 +707,8 @@ class ParamGroup(UnitBackward, UnitGrads):
             return
         self._reduced = True
         self.parked = False
-        # Free the gathered params first if nothing else needs them, so that the reduce's
-        # full-size input does not coexist with them (the backward's peak: gathered params,
+        # Free the unsharded params first if nothing else needs them, so that the reduce's
+        # full-size input does not coexist with them (the backward's peak: unsharded params,
         # their gradients, the reduce input and the next unit's prefetched all-gather).
         self._maybe_finish_backward()
         with phase(f"fshard::post_backward({self.trace_name})"):
