@@ -210,13 +210,14 @@ class ParamGroup(UnitBackward, UnitGrads):
         training = self.training_state.value + (" (parked)" if self.parked else "")
         return f"{sharded}, {training}"
 
-    def _require(self, transition: str, ok: bool, expected: str) -> None:
-        """Fail ``transition`` unless ``ok``: an fshard bug, named with the unit and its state."""
-        if not ok:
-            raise internal_error(
-                f"{transition} on unit {self.label} in state {self.describe_state()}; "
-                f"expected {expected}"
-            )
+    def _state_error(self, transition: str, expected: str) -> RuntimeError:
+        """``transition`` found the unit in a state it cannot start from: an fshard bug, named
+        with the unit and its state. (Callers test the precondition inline: the hot path pays
+        no call for it.)"""
+        return internal_error(
+            f"{transition} on unit {self.label} in state {self.describe_state()}; "
+            f"expected {expected}"
+        )
 
     def pre_forward(self) -> None:
         """The unit's forward begins (not a recompute in backward): IDLE/FORWARD -> FORWARD.
@@ -224,7 +225,8 @@ class ParamGroup(UnitBackward, UnitGrads):
         The first forward since the last backward starts the backward bookkeeping afresh; a
         call of a module of this unit inside another's forward sets the outer one's passed
         inputs aside (``forward_depth``)."""
-        self._require("pre_forward", self.root is not None, "the root's lazy init to have run")
+        if self.root is None:
+            raise self._state_error("pre_forward", "the root's lazy init to have run")
         if self.training_state is TrainingState.IDLE and not self.ran_since_backward:
             self.reset_backward()  # the first forward since the last backward
         self.training_state = TrainingState.FORWARD
@@ -248,7 +250,8 @@ class ParamGroup(UnitBackward, UnitGrads):
         unsharded for them; if one does not run after all, the end of the model's forward
         frees it (``deferred_reshard``). Returns whether it resharded to the post-forward group
         (rows kept for the backward, which the root's next forward drops if unused)."""
-        self._require("post_forward", self.forward_depth == 0, "its outermost forward call")
+        if self.forward_depth != 0:
+            raise self._state_error("post_forward", "its outermost forward call")
         kept_rows = False
         if free:
             if self.modules_to_run and model_forward_running:
@@ -268,11 +271,8 @@ class ParamGroup(UnitBackward, UnitGrads):
         unsharded. Not for a unit whose backward is over (reduced, or freed once every
         gradient arrived): gathering again on some ranks only would leave collectives
         unpaired."""
-        self._require(
-            "pre_backward",
-            not self._reduced and not self._freed_in_backward,
-            "a unit whose backward is not over",
-        )
+        if self._reduced or self._freed_in_backward:
+            raise self._state_error("pre_backward", "a unit whose backward is not over")
         if self.training_state is TrainingState.PRE_BACKWARD and (
             self.sharded_state is ShardedState.UNSHARDED
         ):
@@ -284,7 +284,8 @@ class ParamGroup(UnitBackward, UnitGrads):
 
     def set_slots(self, slots: list[ParamSlot], locals_: list[torch.Tensor]) -> None:
         """(Re)build the buckets for ``slots`` whose local shards are ``locals_``."""
-        self._require("set_slots", self.sharded_state is ShardedState.SHARDED, "a sharded unit")
+        if self.sharded_state is not ShardedState.SHARDED:
+            raise self._state_error("set_slots", "a sharded unit")
         for handle in self._grad_hook_handles:
             handle.remove()
         self._grad_hook_handles = []
@@ -432,11 +433,10 @@ class ParamGroup(UnitBackward, UnitGrads):
             if not self.unsharded_registered:
                 self._register_unsharded()
             return
-        self._require(
-            "wait_for_unshard",
-            self.sharded_state is ShardedState.UNSHARDING,
-            "an all-gather issued (unsharding) or done (unsharded)",
-        )
+        if self.sharded_state is not ShardedState.UNSHARDING:
+            raise self._state_error(
+                "wait_for_unshard", "an all-gather issued (unsharding) or done (unsharded)"
+            )
         with phase(f"fshard::copy_out({self.trace_name})"):
             from_kept = False
             for bucket, work, all_gather_output, parts in self._pending_gather:
@@ -600,9 +600,8 @@ class ParamGroup(UnitBackward, UnitGrads):
     def reshard_post_forward(self) -> None:
         """After a forward with grad: free the unsharded params but keep this rank's block of
         their rows for the backward's all-gather over ``post_forward_size`` ranks."""
-        self._require(
-            "reshard_post_forward", self.post_forward_size > 0, "reshard_after_forward=<int>"
-        )
+        if self.post_forward_size <= 0:
+            raise self._state_error("reshard_post_forward", "reshard_after_forward=<int>")
         if self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
         self.drop_kept_rows()
@@ -685,7 +684,8 @@ class ParamGroup(UnitBackward, UnitGrads):
         parameter's gradient lands in ``.grad`` once its every use is done). The moments are
         the hooks every rank runs alike. A unit called twice in a row (weights shared across
         depth) is not released between its calls: nothing else begins in between."""
-        self._require("release_parked", self.parked, "a parked unit (see on_inputs_grad_ready)")
+        if not self.parked:
+            raise self._state_error("release_parked", "a parked unit (see on_inputs_grad_ready)")
         self.parked = False
         self.reshard()
         self.training_state = TrainingState.POST_BACKWARD
