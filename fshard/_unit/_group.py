@@ -25,7 +25,7 @@ from fshard._mesh import PostForwardGroup, post_forward_group
 from fshard._options import BackwardPrefetch
 from fshard._param import ParamSlot, local_rows
 from fshard._profiling import phase
-from fshard._unit._backward import InputWaiter, UnitBackward
+from fshard._unit._backward import UnitBackward
 from fshard._unit._context import RootContext
 from fshard._unit._grad_hooks import ensure_grad_hooks, forward_tensor_hooks
 from fshard._unit._reduce import UnitGrads, reduce_scatter_grads, summed_grad
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEPT_GATHERED",
-    "InputWaiter",
     "ParamGroup",
     "ShardedState",
     "TrainingState",
@@ -47,12 +46,21 @@ logger = logging.getLogger("fshard")
 
 
 class ShardedState(Enum):
+    """Where a unit's parameters are. Two sub-states are flags, not members (the hooks and the
+    user API compare these members), and ``describe_state`` names them: UNSHARDED but *hidden*
+    (``is_hidden``: the modules hold the shards again, the unsharded storage is kept for a
+    backward) and SHARDED with *kept rows* (``holds_kept_rows``: ``reshard_after_forward=<int>``,
+    see [Note: resharding to a smaller group after forward])."""
+
     SHARDED = "sharded"
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited on
     UNSHARDED = "unsharded"
 
 
 class TrainingState(Enum):
+    """What the unit is doing. In a backward a unit may be *parked* (``parked``: one
+    forward's part of the backward done, another's to come)."""
+
     IDLE = "idle"
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
