@@ -19,16 +19,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
+from fshard._bucket import GATHERED
 from fshard._errors import ProblemList, RankMismatchError, first_few
-from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._mesh import MeshInfo, default_mesh, mesh_info
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
-from fshard._param import GATHERED, ParamSlot
+from fshard._param import ParamSlot, ShardedParameter, is_sharded
 from fshard._placement import ShardLayout, shard_layout
 from fshard._runtime._hooks import ensure_root_initialised, hook_forward_method, register_unit
 from fshard._runtime._root import check_prefetch_targets
 from fshard._runtime._root_init import check_prefetch_alike
-from fshard._sharded import ShardedParameter, is_sharded
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState, group_of
 from fshard._unit._registry import unit_of, units_or_error, units_under
 
 __all__ = [
@@ -200,7 +200,7 @@ def fully_shard(
         if id(param) in ignored:
             continue
         if is_sharded(param):
-            owner = param._fshard_slot.group_ref()
+            owner = group_of(param._fshard_slot)
             if owner is not None and id(owner) not in inner_units:
                 if any(m is mine for top in owner.modules for m in top.modules() for mine in modules):
                     problems.add(
@@ -1020,7 +1020,7 @@ def _clip_mark(slot: ParamSlot) -> int:
     """A 16-bit hash of the parameter's unit and name, kept once the root named them."""
     if slot.clip_mark is not None:
         return slot.clip_mark
-    group = slot.group_ref()
+    group = group_of(slot)
     name = f"{group.trace_name if group is not None else ''}/{slot.fqn}"
     mark = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=2).digest(), "little")
     if group is not None and group.fqn is not None:  # (before root init, names are partial)

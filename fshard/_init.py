@@ -29,8 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fshard._errors import ProblemList, first_few
-from fshard._param import _set_data
-from fshard._sharded import is_sharded
+from fshard._param import is_sharded, set_data
 from fshard._unit._registry import units_under
 
 __all__ = ["materialize"]
@@ -271,7 +270,7 @@ def _init_module(
                 local = value if layout.replicated else value.narrow(0, layout.row_offset, layout.local_shape[0])
                 param.copy_(local.to(param.device))
             else:  # not sharded (ignored_params): the same object, now with real storage
-                _set_data(param, value.detach().to(device))
+                set_data(param, value.detach().to(device))
 
 
 class _ShardWrites(TorchFunctionMode):

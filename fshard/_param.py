@@ -1,69 +1,253 @@
-"""One parameter's tensors and the flat buffer a unit's shards live in.
+"""One parameter: the sharded parameter type and the slot that holds its other tensors.
 
 [Note: fshard tensors]
-Per parameter, the words are fixed:
+The words for a parameter's tensors are fixed; every module uses these and cites this Note.
+Shapes are per rank; ``S`` is ``shard_size``, ``layout`` the parameter's ``ShardLayout``.
 
-- *sharded param*: the user-visible ``ShardedParameter`` (ND, unpadded local shard); its data is a
-  view into the bucket's *flat shard* (1D, every slot padded to ``slot_numel``), so the flat shard
-  *is* the all-gather input: no copy-in unless a dtype cast or a host-to-device copy is needed.
-- *all-gather output*: ``shard_size * total`` elements, rank-major, alive only during unshard.
-- *unsharded buffer*: 1D, ``shard_size * slot_numel`` elements (padded); its storage is freed
-  (resized to 0 bytes) when the unit is sharded and reallocated on unshard.
-- *unsharded param*: an ``nn.Parameter`` viewing the first ``full_numel`` elements of the unsharded
-  buffer, created once and swapped into the module while the unit is unsharded. Autograd saves
-  it in forward; because its storage is refilled before backward (see [Note: storage reuse]),
-  backward sees the gathered values again.
-- *unsharded grad*: ``unsharded_param.grad`` (full shape), reduce-scattered after backward.
-- *sharded grad*: ``sharded_param.grad`` (local shape), in the shard's dtype and device.
+============================  ====  ==================================================================
+role                          dims  what it is in fshard
+============================  ====  ==================================================================
+*sharded param*               ND    the user-visible ``ShardedParameter``, ``layout.local_shape``
+                                    (unpadded, possibly 0 rows). Its data is a view into its bucket's
+                                    flat shard (``FlatBucket.flat_shard``, owned by the bucket, alive
+                                    as long as the unit; a re-pack makes a new one).
+*padded shard*                1D    the sharded param's region of the flat shard: ``slot_numel``
+                                    elements, this rank's rows then zeros. The flat shard is the
+                                    padded shards of a bucket's slots, slot after slot.
+*all-gather input*            1D    the flat shard itself, or a copy of it on the compute device or
+                                    in the compute dtype (``FlatBucket.all_gather_input``; the copy
+                                    is freed once the all-gather is done).
+*all-gather output*           1D    ``S * total`` elements, rank-major, made by ``unshard`` and freed
+                                    after the copy-out (counted in ``GATHERED`` meanwhile). With
+                                    ``S == 1`` it is the all-gather input.
+*unsharded buffer*            1D    per bucket one storage of ``S * total`` elements, slot after
+                                    slot, each slot's ``S * slot_numel`` rank-major (padded). Owned
+                                    by the bucket; freed (resized to 0 bytes) when the unit is
+                                    sharded and reallocated on unshard.
+*unsharded param*             ND    an ``nn.Parameter`` of ``layout.full_shape`` viewing the first
+                                    ``full_numel`` elements of the slot's unsharded buffer, made once
+                                    per packing and swapped into the modules while the unit is
+                                    unsharded. Autograd saves it in forward; since its storage is
+                                    refilled before backward ([Note: storage reuse]), backward sees
+                                    the unsharded values again.
+*unsharded grad*              ND    ``unsharded_param.grad`` (full shape, compute dtype), made by
+                                    autograd; under ``no_sync`` summed into ``accumulated_grad`` (the
+                                    reduce dtype) where that is wider. Dropped once reduced.
+*sharded grad*                ND    ``sharded_param.grad`` (local shape, the shard's dtype and
+                                    device): a view of this rank's reduce-scatter output, then the
+                                    optimizer's.
+============================  ====  ==================================================================
+
+The old word for "unsharded" was "gathered"; ``GATHERED`` (the byte count) keeps it.
 
 [Note: storage reuse]
 The unsharded param is built from ``buffer[:n].view(shape).data`` so it has its own version
 counter: refilling the buffer in place does not bump the counter autograd checks, and the saved
 tensor stays valid across a free/refill cycle.
 
-[Note: aliased buckets]
-With ``shard_size == 1`` and no cast or offload, a unit's full parameters *are* its shards (NO_SHARD
-and HSDP with one rank per shard group). The unsharded params then view the flat shard directly:
-unshard and reshard move no memory, and only the gradient all-reduce remains.
+[Note: sharded parameter identity]
+``fully_shard`` does not replace a module's parameters: it turns each ``nn.Parameter`` object into
+a ``ShardedParameter`` *in place* (its data becomes this rank's shard and its class the subclass
+below). The object keeps its name, ``requires_grad`` and identity, so an optimizer built before
+``fully_shard`` keeps working, and optimizer math runs on a plain dense tensor: the subclass adds
+methods but no ``__torch_function__``, so there is no dispatch overhead on the hot path.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, TypeGuard
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
 
 from fshard import _collectives
 from fshard._errors import internal_error
 from fshard._placement import ShardLayout
-from fshard._sharded import ShardedParameter
 
 if TYPE_CHECKING:
-    from fshard._group import ParamGroup
     from fshard._mesh import MeshInfo
 
-__all__ = ["ParamSlot", "FlatBucket", "chunk_cat", "GATHERED"]
+__all__ = [
+    # the parameter
+    "ShardedParameter",
+    "is_sharded",
+    # its unit's view of it
+    "ParamSlot",
+    "SlotOwner",
+    # this rank's rows, and back to the full tensor
+    "local_rows",
+    "padded_shard",
+    "full_from_padded",
+]
 
 
-class GatheredMemory:
-    """Bytes of gathered (full) parameters this process holds now, and the peak since reset."""
+class SlotOwner(Protocol):
+    """What a slot, and its sharded parameter, need of the unit that owns them."""
 
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
+    @property
+    def label(self) -> str:
+        """How messages name the unit."""
+        ...
 
-    def add(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        self.current -= nbytes
+    def refuse_copy(self) -> TypeError:
+        """The error for copying or pickling the unit (its parameters refuse alike)."""
+        ...
 
 
-GATHERED = GatheredMemory()  # per process, like torch.cuda's allocator statistics
+# ------------------------------------------------------------------------------ the parameter
+
+
+class ShardedParameter(nn.Parameter):
+    """A parameter whose data is this rank's dim-0 shard (``torch.chunk`` semantics).
+
+    Created by ``fshard.fully_shard``; never construct one yourself. It behaves as a normal
+    parameter of the local shard's shape for optimizers, and adds a DTensor-like view of the
+    whole tensor.
+
+    Example:
+        >>> # after fshard.fully_shard(model, mesh=mesh) on 4 ranks
+        >>> # p = model.weight                  # full shape (10, 3)
+        >>> # p.full_shape, p.to_local().shape  # (torch.Size([10, 3]), torch.Size([3, 3]))
+        >>> # p.placements                      # (Shard(dim=0),)
+        >>> # full = p.full_tensor()            # collective: every rank of the mesh calls it
+    """
+
+    _fshard_slot: ParamSlot
+
+    def _slot(self) -> ParamSlot:
+        slot = self.__dict__.get("_fshard_slot")
+        if slot is None:
+            raise RuntimeError(
+                "this ShardedParameter is detached from its fshard unit (it was copied, pickled "
+                "or built by hand); use the parameter of the sharded model itself"
+            )
+        return slot
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        # Pickling a sharded model reaches its parameters first: refuse as the unit does.
+        slot = self.__dict__.get("_fshard_slot")
+        owner = slot.group_ref() if slot is not None else None
+        if owner is not None:
+            raise owner.refuse_copy()
+        return super().__reduce_ex__(protocol)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard as a plain tensor sharing storage with the parameter."""
+        return self.detach()
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter, gathered over the shard group (collective on the mesh).
+
+        Returns a new plain tensor of shape ``full_shape`` on the parameter's device.
+        """
+        slot = self._slot()
+        local = self.detach()
+        return all_gather_full(local, slot.layout, slot.mesh_info, label=f"full_tensor({slot.fqn})")
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh the parameter is sharded over (the one passed to ``fully_shard``)."""
+        return self._slot().mesh_info.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """``(Shard(0),)`` on a 1D mesh, ``(Replicate(), Shard(0))`` on a 2D mesh.
+
+        0-d parameters cannot be chunked and are replicated: ``Replicate()`` on every mesh dim.
+        """
+        slot = self._slot()
+        return slot.mesh_info.placements(slot.layout.replicated)
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The shape of the whole (unsharded) parameter; ``self.shape`` is the local shard's."""
+        return self._slot().layout.full_shape
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]  # Tensor.__repr__ has an internal keyword
+        slot = self.__dict__.get("_fshard_slot")
+        if slot is None:
+            return f"ShardedParameter(detached, local={torch.Tensor.__repr__(self.detach())})"
+        placements = ", ".join(str(p) for p in self.placements)
+        return (
+            f"ShardedParameter(fqn={slot.fqn!r}, full_shape={list(slot.layout.full_shape)}, "
+            f"placements=({placements}), local={torch.Tensor.__repr__(self.detach())})"
+        )
+
+
+def is_sharded(tensor: object) -> TypeGuard[ShardedParameter]:
+    """True if ``tensor`` is a parameter sharded by ``fshard.fully_shard``.
+
+    Example:
+        >>> import torch, fshard
+        >>> fshard.is_sharded(torch.nn.Parameter(torch.zeros(2)))
+        False
+    """
+    return isinstance(tensor, ShardedParameter) and "_fshard_slot" in tensor.__dict__
+
+
+def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Point ``param`` at ``data`` keeping the object (and so its identity for optimizers)."""
+    if param.is_meta == data.is_meta:
+        param.data = data
+        return
+    # meta -> real storage (materialize): ``.data =`` refuses to change the backend, so swap the
+    # tensor contents into the same Python object, keeping its class and attributes.
+    replacement = nn.Parameter(data, requires_grad=param.requires_grad)
+    replacement.__class__ = type(param)
+    replacement.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, replacement)
+
+
+# ----------------------------------------------------------------- this rank's rows and back
+
+
+def local_rows(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """This rank's rows of a full-shaped ``full`` (a view; all of it for a replicated 0-d
+    parameter): the sharded param's values ([Note: chunk layout] in ``_placement``)."""
+    if layout.replicated:
+        return full
+    return full.narrow(0, layout.row_offset, layout.local_shape[0])
+
+
+def padded_shard(local: torch.Tensor, layout: ShardLayout, device: torch.device) -> torch.Tensor:
+    """A new padded shard (1D, ``slot_numel``) of a shard-shaped ``local``, on ``device``: what
+    one rank sends to gather the full tensor ([Note: fshard tensors])."""
+    padded = torch.zeros(layout.slot_numel, dtype=local.dtype, device=device)
+    padded[: layout.local_numel].copy_(local.detach().reshape(-1))
+    return padded
+
+
+def full_from_padded(gathered: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The full tensor in the rank-major padded shards ``gathered`` (1D, ``S * slot_numel``):
+    the padding trimmed off, viewed in ``full_shape``."""
+    if gathered.numel() != layout.full_numel:
+        gathered = gathered[: layout.full_numel]
+    return gathered.view(layout.full_shape)
+
+
+def all_gather_full(
+    local: torch.Tensor, layout: ShardLayout, mesh_info: MeshInfo, *, label: str
+) -> torch.Tensor:
+    """All-gather a shard-shaped ``local`` into a new full tensor on ``local``'s device (pad,
+    all-gather over the shard group, trim); a collective on the shard group."""
+    if layout.replicated or mesh_info.shard_size == 1:
+        return local.detach().clone().view(layout.full_shape)
+    # On the mesh's device: a CPU-offloaded shard cannot take part in an NCCL collective.
+    device = mesh_info.device
+    padded = padded_shard(local, layout, device)
+    output = torch.empty(mesh_info.shard_size * layout.slot_numel, dtype=local.dtype, device=device)
+    _collectives.all_gather_into(output, padded, mesh_info.shard_group, label=label)
+    return full_from_padded(output, layout).to(local.device)
+
+
+# --------------------------------------------------------------------------------- the slot
+
+
+def _no_owner() -> SlotOwner | None:
+    return None
 
 
 class ParamSlot:
@@ -86,12 +270,13 @@ class ParamSlot:
         # Required grad in an unsynchronised backward since the last synchronised reduce: it
         # takes part in that reduce even if frozen since (rank-consistent, unlike a local grad).
         self.awaiting_sync = False
-        self.group_ref: Callable[[], ParamGroup | None] = lambda: None  # owning unit
+        # The owning unit, held weakly (``fshard._unit._group.group_of`` gives its ParamGroup).
+        self.group_ref: Callable[[], SlotOwner | None] = _no_owner
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
         self.clip_mark: int | None = None  # see fshard._api._clip_mark
 
     def drop_unsharded_grad(self) -> None:
-        """Forget the full gradient (this backward's and any no_sync sum)."""
+        """Forget the unsharded grad (this backward's and any no_sync sum)."""
         self.accumulated_grad = None
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
@@ -109,238 +294,6 @@ class ParamSlot:
             module._parameters[name] = unsharded
 
     def use_sharded(self) -> None:
+        """Register the sharded param in every module that holds this parameter."""
         for module, name in self.registrations:
             module._parameters[name] = self.sharded_param
-
-    def gather_full(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gather this parameter's shards into a new full tensor (``full_tensor``)."""
-        layout = self.layout
-        if layout.replicated or self.mesh_info.shard_size == 1:
-            return local.clone().view(layout.full_shape)
-        size = self.mesh_info.shard_size
-        # On the mesh's device: a CPU-offloaded shard cannot take part in an NCCL collective.
-        device = self.mesh_info.device
-        padded = torch.zeros(layout.slot_numel, dtype=local.dtype, device=device)
-        padded[: layout.local_numel].copy_(local.reshape(-1))
-        output = torch.empty(size * layout.slot_numel, dtype=local.dtype, device=device)
-        _collectives.all_gather_into(
-            output, padded, self.mesh_info.shard_group, label=f"full_tensor({self.fqn})"
-        )
-        return output[: layout.full_numel].view(layout.full_shape).to(local.device)
-
-
-def _set_data(param: nn.Parameter, data: torch.Tensor) -> None:
-    """Point ``param`` at ``data`` keeping the object (and so its identity for optimizers)."""
-    if param.is_meta == data.is_meta:
-        param.data = data
-        return
-    # meta -> real storage (materialize): ``.data =`` refuses to change the backend, so swap the
-    # tensor contents into the same Python object, keeping its class and attributes.
-    replacement = nn.Parameter(data, requires_grad=param.requires_grad)
-    replacement.__class__ = type(param)
-    replacement.__dict__.update(param.__dict__)
-    torch.utils.swap_tensors(param, replacement)
-
-
-def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
-    """Write ``tensors`` chunk-major into ``out`` of shape ``(num_chunks, total)``.
-
-    Each tensor is 2D ``(rows, row_numel)``, cut into ``num_chunks`` row chunks of
-    ``ceil(rows / num_chunks)`` rows (zero padded); chunk ``r`` of every tensor goes, in order, into
-    row ``r`` of ``out``. This is the reduce-scatter input layout.
-    """
-    if hasattr(torch, "_chunk_cat"):
-        torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
-        return
-    column = 0
-    for t in tensors:
-        rows, row_numel = t.shape
-        slot_rows = -(-rows // num_chunks)
-        width = slot_rows * row_numel
-        padded = t.new_zeros(slot_rows * num_chunks, row_numel)
-        padded[:rows].copy_(t)
-        out[:, column : column + width].copy_(padded.view(num_chunks, width))
-        column += width
-
-
-def _forget_gathered(storage: torch.UntypedStorage) -> None:
-    GATHERED.sub(storage.nbytes())
-
-
-class FlatBucket:
-    """The parameters of one unit that share a dtype: one flat shard, one all-gather."""
-
-    def __init__(
-        self,
-        slots: list[ParamSlot],
-        mesh_info: MeshInfo,
-        *,
-        compute_dtype: torch.dtype,
-        shard_device: torch.device,
-        pin_memory: bool,
-    ) -> None:
-        self.slots = slots
-        self.mesh_info = mesh_info
-        self.shard_dtype = slots[0].sharded_param.dtype
-        self.compute_dtype = compute_dtype
-        self.shard_device = shard_device
-        self.pin_memory = pin_memory
-        self.slot_numels = [s.layout.slot_numel for s in slots]
-        self.offsets = [0]
-        for n in self.slot_numels:
-            self.offsets.append(self.offsets[-1] + n)
-        self.flat_shard: torch.Tensor = torch.empty(0)  # 1D, set by pack()
-        self.aliased = False  # see [Note: aliased buckets]
-        self._params: list[ShardedParameter] = []
-        self._packed_ptrs: list[int] = []
-
-    @property
-    def total(self) -> int:
-        return self.offsets[-1]
-
-    @property
-    def compute_device(self) -> torch.device:
-        return self.mesh_info.device
-
-    # ----------------------------------------------------------------------------------- packing
-
-    def pack(self, locals_: Sequence[torch.Tensor]) -> None:
-        """Copy local shards into a fresh flat shard and point the sharded params at it."""
-        device = locals_[0].device if locals_ else self.shard_device
-        if device.type != "meta":
-            device = self.shard_device
-        flat = torch.zeros(self.total, dtype=self.shard_dtype, device=device)
-        if self.pin_memory and device.type == "cpu" and torch.cuda.is_available():
-            flat = flat.pin_memory()
-        for slot, local, offset in zip(self.slots, locals_, self.offsets[:-1], strict=True):
-            view = flat[offset : offset + slot.layout.local_numel].view(slot.layout.local_shape)
-            if device.type != "meta":
-                view.copy_(local.detach().reshape(slot.layout.local_shape))
-            _set_data(slot.sharded_param, view)
-        self.flat_shard = flat
-        self.aliased = (
-            self.mesh_info.shard_size == 1
-            and self.compute_dtype == self.shard_dtype
-            and device == self.compute_device
-        )
-        self._params = [s.sharded_param for s in self.slots]
-        self._packed_ptrs = [p.data_ptr() for p in self._params]
-        # A new packing gets new unsharded params (see [Note: fshard tensors]).
-        self._unsharded: torch.Tensor | None = None  # 1D, every slot's unsharded buffer in a row
-        self._copy_out_views: list[torch.Tensor] = []
-        for slot in self.slots:
-            slot.unsharded_buffer = slot.unsharded_param = None
-        if self.aliased:
-            for slot, offset in zip(self.slots, self.offsets[:-1], strict=True):
-                self._build_unsharded(slot, self.flat_shard[offset : offset + slot.layout.slot_numel])
-
-    def is_packed(self) -> bool:
-        """False if something replaced a sharded param's data (``model.to(...)``, ``p.data = x``).
-
-        New data means new storage, so comparing data pointers suffices; the dtype check covers
-        a rank whose shards are all empty (their pointers do not move).
-        """
-        return (
-            not self._params or self._params[0].dtype == self.shard_dtype
-        ) and [p.data_ptr() for p in self._params] == self._packed_ptrs
-
-    def _build_unsharded(self, slot: ParamSlot, buffer: torch.Tensor) -> None:
-        """Create ``slot``'s unsharded param as a view of ``buffer`` (once per packing)."""
-        view = buffer[: slot.layout.full_numel].view(slot.layout.full_shape)
-        # `.data` gives the param its own version counter: [Note: storage reuse].
-        slot.unsharded_buffer = buffer
-        slot.unsharded_param = nn.Parameter(view.data, requires_grad=slot.requires_grad)
-        # A marker (the optimizer check, module.state_dict()): the slot it gathers, held weakly.
-        slot.unsharded_param._fshard_gathered_of = weakref.ref(slot)  # type: ignore[attr-defined]
-
-    # ----------------------------------------------------------------------------- unsharding
-
-    def all_gather_input(self) -> torch.Tensor:
-        """The flat shard on the compute device in the compute dtype."""
-        flat = self.flat_shard
-        if flat.device != self.compute_device:
-            flat = flat.to(self.compute_device, non_blocking=True)
-        if flat.dtype != self.compute_dtype:
-            flat = flat.to(self.compute_dtype)
-        return flat
-
-    def alloc_unsharded(self) -> None:
-        """Give the unsharded params memory: one storage for the whole bucket.
-
-        The first call after packing allocates it and builds the unsharded params as views;
-        later calls only resize the same storage back (its tensors, saved by autograd, stay
-        valid: [Note: storage reuse]).
-        """
-        if self.aliased:
-            return
-        size = self.mesh_info.shard_size
-        if self._unsharded is None:
-            # Never inference tensors, even when the first gather runs under
-            # torch.inference_mode(): training reuses this storage and autograd saves its views.
-            with torch.inference_mode(False):
-                self._unsharded = torch.empty(
-                    size * self.total, dtype=self.compute_dtype, device=self.compute_device
-                )
-                for slot, offset, numel in zip(
-                    self.slots, self.offsets[:-1], self.slot_numels, strict=True
-                ):
-                    buffer = self._unsharded[size * offset : size * (offset + numel)]
-                    self._build_unsharded(slot, buffer)
-                    self._copy_out_views.append(buffer.view(size, numel))
-            GATHERED.add(self._unsharded.numel() * self._unsharded.element_size())
-            # A bucket collected while gathered (its model deleted mid-step) leaves the count.
-            weakref.finalize(self, _forget_gathered, self._unsharded.untyped_storage())
-            return
-        storage = self._unsharded.untyped_storage()
-        nbytes = self._unsharded.numel() * self._unsharded.element_size()
-        if storage.nbytes() != nbytes:
-            GATHERED.add(nbytes - storage.nbytes())
-            storage.resize_(nbytes)
-
-    def gathered_storage_ptr(self) -> int:
-        """Where the unsharded buffer's memory is while gathered (0 if it is the shard's own or
-        not allocated): the storage that ``free_unsharded`` takes away."""
-        if self.aliased or self._unsharded is None:
-            return 0
-        return self._unsharded.untyped_storage().data_ptr()
-
-    def free_unsharded(self) -> None:
-        if self.aliased or self._unsharded is None:
-            return
-        storage = self._unsharded.untyped_storage()
-        GATHERED.sub(storage.nbytes())
-        storage.resize_(0)
-
-    def copy_out(self, all_gather_output: torch.Tensor, parts: int = 0) -> None:
-        """Scatter the rank-major all-gather output into the unsharded buffers; with ``parts``,
-        an all-gather of ``parts`` blocks of ``post_forward_rows`` (see [Note: resharding to
-        a smaller group after forward] in _group)."""
-        size = self.mesh_info.shard_size
-        outs = self._copy_out_views
-        if parts:
-            # Part i holds rows [i * size / parts, (i + 1) * size / parts) of every slot: the
-            # same memory as the slots' [size, numel] views, cut in ``parts`` rows.
-            rows = size // parts
-            outs = [view.view(parts, -1) for view in outs]
-            torch.split_with_sizes_copy(
-                all_gather_output.view(parts, rows * self.total),
-                [rows * n for n in self.slot_numels],
-                dim=1,
-                out=outs,
-            )
-            return
-        if len(outs) == 1:
-            outs[0].copy_(all_gather_output.view(size, -1))
-            return
-        torch.split_with_sizes_copy(
-            all_gather_output.view(size, self.total), self.slot_numels, dim=1, out=outs
-        )
-
-    def post_forward_rows(self, part: int, parts: int) -> torch.Tensor:
-        """Rows ``[part * size / parts, (part + 1) * size / parts)`` of every slot's gathered
-        buffer, slot after slot in a new 1D tensor: what this rank keeps after a forward that
-        reshards to ``parts`` ranks."""
-        rows = self.mesh_info.shard_size // parts
-        return torch.cat([view[part * rows : (part + 1) * rows].reshape(-1) for view in self._copy_out_views])
-
-

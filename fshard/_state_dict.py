@@ -60,10 +60,10 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._collectives import on_any_rank
 from fshard._errors import ProblemList, first_few, internal_error
-from fshard._group import ParamGroup, ShardedState, TrainingState
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard._runtime._optim_hooks import SHARDS_KEY, check_optimizer_state, never_stepped
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState, group_of
 from fshard._unit._registry import unit_of, units_or_error
 from fshard.transforms import Layout, TensorLayout
 
@@ -542,7 +542,7 @@ def on_module_load_state_dict(
             f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
             "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
         )
-    groups = {id(g): g for _, slot in keys if (g := slot.group_ref()) is not None}
+    groups = {id(g): g for _, slot in keys if (g := group_of(slot)) is not None}
     _free_for_load(list(groups.values()), where)  # the units gather again on their next use
     foreign = {key: _foreign_shard(f"key {key!r}", state_dict[key], slot) for key, slot in keys}
     on_mesh = [

@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fshard._api import _CONTAINERS, fully_shard, ignored_param_list
 from fshard._errors import ProblemList
+from fshard._param import is_sharded
 from fshard._runtime._root_init import READS_CHILDREN
-from fshard._sharded import is_sharded
 
 __all__ = [
     "ByClass",

@@ -8,10 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from fshard._group import (
-    ParamGroup,
-)
-from fshard._sharded import is_sharded
+from fshard._param import is_sharded
+from fshard._unit._group import ParamGroup
 
 logger = logging.getLogger("fshard")
 

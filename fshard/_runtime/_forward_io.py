@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fshard._group import (
-    ParamGroup,
-)
 from fshard._trees import _cast_floating, _map_tensors, _tensors_in
+from fshard._unit._group import ParamGroup
 from fshard._unit._registry import is_unit_module
 
 logger = logging.getLogger("fshard")

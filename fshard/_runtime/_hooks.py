@@ -28,11 +28,6 @@ from typing import Any, SupportsIndex
 import torch
 from torch import nn
 
-from fshard._group import (
-    ParamGroup,
-    ShardedState,
-    TrainingState,
-)
 from fshard._options import BackwardPrefetch
 from fshard._runtime._checks import (
     _PEEK_TRANSFORMS,
@@ -53,6 +48,7 @@ from fshard._runtime._optim_hooks import install_optimizer_hooks
 from fshard._runtime._root import RootState
 from fshard._runtime._root_init import _refuse_root_of_several, init_root
 from fshard._trees import _cast_floating, _map_tensors, _tensors_in
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState
 from fshard._unit._registry import attach_unit, in_backward, is_unit_module, units_under
 
 logger = logging.getLogger("fshard")
@@ -339,7 +335,7 @@ class _UnitHook:
         target = self.ref()
         if target is None:
             return TypeError("cannot copy or pickle a hook of an fshard unit that no longer exists")
-        return target._refuse_copy()
+        return target.refuse_copy()
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[object, ...]:
         raise self._refuse()

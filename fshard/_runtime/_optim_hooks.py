@@ -17,12 +17,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
 from fshard._errors import first_few
-from fshard._group import (
-    KEPT_GATHERED,
-    ParamGroup,
-    TrainingState,
-)
-from fshard._sharded import is_sharded
+from fshard._param import is_sharded
+from fshard._unit._group import KEPT_GATHERED, ParamGroup, TrainingState
 from fshard._unit._registry import units_made
 
 logger = logging.getLogger("fshard")

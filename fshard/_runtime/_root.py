@@ -13,17 +13,12 @@ from torch.autograd import Variable
 
 from fshard import _collectives, _hang
 from fshard._errors import ProblemList, RankMismatchError, internal_error
-from fshard._group import (
-    ParamGroup,
-    PendingAllReduce,
-    PendingReduce,
-    ShardedState,
-    TrainingState,
-)
 from fshard._options import BackwardPrefetch, debug_checks
 from fshard._profiling import phase
 from fshard._runtime._checks import check_params_in_place
 from fshard._runtime._optim_hooks import _UNSYNCED
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState
+from fshard._unit._reduce import PendingAllReduce, PendingReduce
 from fshard._unit._registry import in_backward, units_made
 
 logger = logging.getLogger("fshard")

@@ -12,12 +12,9 @@ from torch import nn
 
 from fshard import _collectives
 from fshard._errors import ProblemList, RankMismatchError, internal_error
-from fshard._group import (
-    ParamGroup,
-    ShardedState,
-)
 from fshard._options import debug_checks
 from fshard._runtime._root import RootState
+from fshard._unit._group import ParamGroup, ShardedState
 from fshard._unit._registry import units_under
 
 logger = logging.getLogger("fshard")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fshard._group import ParamGroup
+from fshard._unit._group import ParamGroup
 
 __all__ = [
     "attach_unit",
