@@ -142,19 +142,7 @@ def load(
     require_dist(where)
     path = os.path.abspath(os.fspath(path))
     rank = dist.get_rank()
-    found: tuple[str, str, dict[str, Any]] | str
-    if rank == 0:
-        try:
-            resolved = resolve(path)
-            found = (path, resolved, read_manifest(resolved))
-        except CheckpointError as exc:
-            found = str(exc)
-    else:
-        found = ""
-    found = _collectives.broadcast_objects(found, 0, None, label="checkpoint.load")
-    if isinstance(found, str):
-        raise CheckpointError(found)
-    given, root, manifest = found
+    given, root, manifest = _find_on_rank0(path)
     if verify:
         verify_files(root, manifest, distributed=True)
 
@@ -166,40 +154,10 @@ def load(
                 f"every rank must pass the same path: rank 0 passed {given!r}, rank {rank} "
                 f"passed {path!r}"
             )
-        saved = Layout.from_json(manifest["model"])
-        entries = model_entries(model, where)
-        model_sd = state_dict(model)
-        problems = ProblemList(f"{where}({root})")
-        tensor_keys = [e.key for e in entries if isinstance(e.value, torch.Tensor)]
-        # Modules' extra state (``get_extra_state``): saved through DCP, read back without
-        # arbitrary unpickling ([Note: no unpickling]).
-        saved_keys = set(manifest.get("model_keys", saved))
-        object_keys = [k for k in model_sd if not isinstance(model_sd[k], torch.Tensor)]
-        missing = [k for k in tensor_keys if k not in saved]
-        missing += [k for k in object_keys if k not in saved_keys]
-        unexpected = [k for k in saved if k not in model_sd]
-        unexpected += [k for k in saved_keys if k not in saved and k not in model_sd]
-        if strict and missing:
-            problems.add(f"the checkpoint lacks key(s) the model has: {missing}")
-        if strict and unexpected:
-            problems.add(f"the checkpoint has key(s) the model lacks: {unexpected}")
-        for key in tensor_keys:
-            if key in saved and tuple(model_sd[key].shape) != saved[key].full_shape:
-                problems.add(
-                    f"key {key!r}: shape mismatch, the checkpoint has {list(saved[key].full_shape)} "
-                    f"but the model has {list(model_sd[key].shape)}"
-                )
-        if optimizer is not None and manifest.get("optimizer") is None:
-            problems.add("an optimizer was passed but the checkpoint has no optimizer state")
-        problems.raise_if_any(
-            ValueError, hint="Load into the same model architecture, or pass strict=False."
+        model_sd = _model_template(
+            model, manifest, f"{where}({root})", strict=strict, optimizer=optimizer is not None
         )
-
-        to_load: dict[str, Any] = {
-            "model": {
-                k: v for k, v in model_sd.items() if k in saved or (k in object_keys and k in saved_keys)
-            }
-        }
+        to_load: dict[str, Any] = {"model": model_sd}
         optim_desc = manifest.get("optimizer") if optimizer is not None else None
         optim_loader = None
         if optimizer is not None and optim_desc is not None:
@@ -222,6 +180,63 @@ def load(
         error = str(exc)
     raise_if_any_rank_failed(error, where, "checkpoint.load")
     return extra
+
+
+def _find_on_rank0(path: str) -> tuple[str, str, dict[str, Any]]:
+    """Rank 0's ``path``, the checkpoint it resolves to and its manifest, on every rank (rank
+    0's error, if it found none, raised on every rank)."""
+    found: tuple[str, str, dict[str, Any]] | str
+    if dist.get_rank() == 0:
+        try:
+            resolved = resolve(path)
+            found = (path, resolved, read_manifest(resolved))
+        except CheckpointError as exc:
+            found = str(exc)
+    else:
+        found = ""
+    found = _collectives.broadcast_objects(found, 0, None, label="checkpoint.load")
+    if isinstance(found, str):
+        raise CheckpointError(found)
+    return found
+
+
+def _model_template(
+    model: nn.Module, manifest: Mapping[str, Any], where: str, *, strict: bool, optimizer: bool
+) -> dict[str, Any]:
+    """The entries of ``fshard.state_dict(model)`` to read the checkpoint into (in place), after
+    checking the model's keys and shapes against the manifest (and that it has optimizer state
+    if ``optimizer``: one is to be loaded)."""
+    saved = Layout.from_json(manifest["model"])
+    entries = model_entries(model, where)
+    model_sd = state_dict(model)
+    problems = ProblemList(where)
+    tensor_keys = [e.key for e in entries if isinstance(e.value, torch.Tensor)]
+    # Modules' extra state (``get_extra_state``): saved through DCP, read back without
+    # arbitrary unpickling ([Note: no unpickling]).
+    saved_keys = set(manifest.get("model_keys", saved))
+    object_keys = [k for k in model_sd if not isinstance(model_sd[k], torch.Tensor)]
+    missing = [k for k in tensor_keys if k not in saved]
+    missing += [k for k in object_keys if k not in saved_keys]
+    unexpected = [k for k in saved if k not in model_sd]
+    unexpected += [k for k in saved_keys if k not in saved and k not in model_sd]
+    if strict and missing:
+        problems.add(f"the checkpoint lacks key(s) the model has: {missing}")
+    if strict and unexpected:
+        problems.add(f"the checkpoint has key(s) the model lacks: {unexpected}")
+    for key in tensor_keys:
+        if key in saved and tuple(model_sd[key].shape) != saved[key].full_shape:
+            problems.add(
+                f"key {key!r}: shape mismatch, the checkpoint has {list(saved[key].full_shape)} "
+                f"but the model has {list(model_sd[key].shape)}"
+            )
+    if optimizer and manifest.get("optimizer") is None:
+        problems.add("an optimizer was passed but the checkpoint has no optimizer state")
+    problems.raise_if_any(
+        ValueError, hint="Load into the same model architecture, or pass strict=False."
+    )
+    return {
+        k: v for k, v in model_sd.items() if k in saved or (k in object_keys and k in saved_keys)
+    }
 
 
 def _read_extra(root: str, manifest: Mapping[str, Any], rank: int) -> Any:
