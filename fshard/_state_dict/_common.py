@@ -27,12 +27,24 @@ to the others.
 A tensor on the meta device has a shape and no data. In the state dict, one cannot be read:
 copying out of it fails in torch ("Cannot copy out of meta tensor") in the middle of the load,
 on the ranks that hold it only, and with ``broadcast_from_rank0`` in the middle of rank 0's
-scatter, while the others wait in it. In the model, a parameter or buffer on meta cannot be
-written: loads copy into the model's tensors (``assign`` is never used), and a copy into a meta
-tensor does nothing (torch only warns), so the load would report success and the forward fail.
-So both are problems of the agreed checks, naming the keys, before anything is sent or loaded.
-Only non-persistent buffers, which ``broadcast_from_rank0`` copies from rank 0's model, are
-replaced by the received tensor where they are on meta, as ``fshard.materialize`` allocates them.
+scatter, while the others wait in it. So it is a problem of the agreed checks, naming the key,
+before anything is sent or loaded. In the model, see the next note.
+
+[Note: loading into a meta model]
+A model built under ``torch.device("meta")`` (on some ranks or on all) and sharded can be loaded
+into without ``fshard.materialize``: once the ranks agreed on the checks, each rank gives its
+meta tensors storage and no values (``fshard._materialize.allocate_for_load``: this rank's
+shards only, no ``reset_parameters()``), and the load fills them as it fills any model, one
+parameter at a time. A meta parameter or persistent buffer that the load does not fill (its
+key is not in the state dict, under ``strict=False``) would keep garbage: that is a problem of
+the agreed checks, naming the keys. Non-persistent buffers (rotary tables, position ids) are in
+no state dict: ``broadcast_from_rank0`` copies them from rank 0's model (which must hold them)
+into the ranks whose model has them on meta; the other loads cannot fill them, so a meta
+non-persistent buffer is a problem of their checks (build that module off the meta device, as
+its own ``__init__`` computes them, or load with ``broadcast_from_rank0``). torch's
+``set_model_state_dict`` asks ``load_state_dict`` for ``assign=True`` on the ranks whose model
+is on meta: the owners' hooks then give the shards (and the module's own meta tensors the state
+dict fills) storage, and the load copies into them as on the other ranks.
 """
 
 from __future__ import annotations
@@ -235,6 +247,65 @@ def plain_value(value: Any) -> Any:
 def is_meta_value(value: Any) -> bool:
     """Whether ``value`` is a tensor without data (on the meta device; a DTensor's local too)."""
     return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def meta_tensors(entries: list[Entry]) -> list[tuple[str, list[str]]]:
+    """``(kind, keys)`` of each parameter (``"parameter"``) and persistent buffer
+    (``"buffer"``) of the model on the meta device, with all the keys it has (a tied one has
+    several). See [Note: loading into a meta model]."""
+    found: dict[int, tuple[str, list[str]]] = {}
+    for e in entries:
+        if e.slot is not None:
+            meta, ident, kind = e.slot.sharded_param.is_meta, id(e.slot), "parameter"
+        elif isinstance(e.value, torch.Tensor):
+            meta, ident = e.value.is_meta, id(e.value)
+            kind = "parameter" if isinstance(e.value, nn.Parameter) else "buffer"  # (ignored)
+        else:
+            continue
+        if meta:
+            found.setdefault(ident, (kind, []))[1].append(e.key)
+    return list(found.values())
+
+
+def unfilled_meta_problems(metas: list[tuple[str, list[str]]], filled: Any) -> list[str]:
+    """A problem for the meta parameters and for the meta buffers (``meta_tensors``) none of
+    whose keys is in ``filled`` (the keys the load fills): they would keep garbage."""
+    problems = []
+    for kind in ("parameter", "buffer"):
+        keys = [keys[0] for k, keys in metas if k == kind and not any(key in filled for key in keys)]
+        if keys:
+            problems.append(
+                f"{len(keys)} {kind}(s) are on the meta device and the state dict does not hold "
+                f"them ({first_few([repr(k) for k in sorted(keys)])}): a load gives meta tensors "
+                "storage and fills them, and these would keep no values; pass them, or call "
+                "fshard.materialize(model) before loading"
+            )
+    return problems
+
+
+def non_persistent_meta_problems(model: nn.Module) -> list[str]:
+    """A problem naming the model's non-persistent buffers on the meta device (``[]`` if none),
+    which only ``broadcast_from_rank0`` can fill ([Note: loading into a meta model])."""
+    keys = [key for key, _, _, buffer in non_persistent_buffers(model) if buffer.is_meta]
+    if not keys:
+        return []
+    return [
+        f"{len(keys)} non-persistent buffer(s) are on the meta device "
+        f"({first_few([repr(k) for k in keys])}): no state dict holds them, so this load cannot "
+        "fill them; build the modules that hold them off the meta device (their __init__ "
+        "computes them), load with fshard.load_state_dict(..., broadcast_from_rank0=True) from "
+        "a rank 0 that holds them, or call fshard.materialize(model) before loading"
+    ]
+
+
+def non_persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(key, owning module, attribute name, buffer)`` of each non-persistent buffer."""
+    found = []
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                found.append((f"{prefix}.{name}" if prefix else name, module, name, buffer))
+    return found
 
 
 def meta_value_problems(whats: list[str]) -> list[str]:

@@ -21,7 +21,8 @@ from fshard import _collectives
 from fshard._errors import ProblemList, first_few
 from fshard._group import ParamGroup
 from fshard._hooks import units_or_error
-from fshard._mesh import in_src_row, replicate_src, src_rank
+from fshard._materialize import allocate_for_load
+from fshard._mesh import MeshInfo, in_src_row, replicate_src, src_rank
 from fshard._param import ParamSlot
 from fshard._state_dict._common import (
     Entry,
@@ -30,13 +31,17 @@ from fshard._state_dict._common import (
     broadcast_meta,
     gather_full,
     is_meta_value,
+    meta_tensors,
     meta_value_problems,
     model_entries,
+    non_persistent_buffers,
+    non_persistent_meta_problems,
     plain_value,
     rank_list,
     ranks_agree,
     root_info,
     scatter_rows,
+    unfilled_meta_problems,
 )
 from fshard._unit._module_state_dict import (
     as_dtensor,
@@ -215,38 +220,6 @@ def _check_keys(
     return missing, unexpected
 
 
-def _meta_problems(entries: list[Entry]) -> list[str]:
-    """The model's parameters and buffers left on the meta device, which no load can fill.
-
-    See [Note: meta tensors in a load].
-    """
-    params: set[str] = set()
-    buffers: set[str] = set()
-    for e in entries:
-        if e.slot is not None:
-            if local_shard(e.slot).is_meta:
-                params.add(e.key)
-        elif isinstance(e.value, nn.Parameter):  # one fshard does not manage (ignored)
-            if e.value.is_meta:
-                params.add(e.key)
-        elif isinstance(e.value, torch.Tensor) and e.value.is_meta:
-            buffers.add(e.key)
-    problems = []
-    if params:
-        problems.append(
-            f"{len(params)} parameter(s) are on the meta device ({first_few([repr(k) for k in sorted(params)])}); call "
-            "fshard.materialize(model) before loading weights into it"
-        )
-    if buffers:
-        problems.append(
-            f"{len(buffers)} buffer(s) are on the meta device ({first_few([repr(k) for k in sorted(buffers)])}): a load "
-            "copies into the model's buffers, which leaves a meta buffer without data; call "
-            "fshard.materialize(model) (it allocates meta buffers too) before loading weights "
-            "into it"
-        )
-    return problems
-
-
 def load_state_dict(
     model: nn.Module,
     state_dict: Mapping[str, Any] | None,
@@ -263,6 +236,12 @@ def load_state_dict(
     state dict; other ranks pass ``{}`` or ``None`` and never hold a full parameter. Buffers
     that no state dict holds (non-persistent ones: rotary tables, position ids) are then copied
     from rank 0's model too, so ranks that built the model on the meta device get them.
+
+    A model built on the meta device (on some ranks or all) and sharded needs no
+    ``fshard.materialize``: once the ranks agreed on the checks, each allocates only its own
+    shards (no ``reset_parameters()`` runs) and the load fills them. Its meta weights and
+    buffers must all be in the state dict, and its non-persistent buffers off the meta device
+    unless ``broadcast_from_rank0`` (else every rank raises the same error, naming them).
 
     Example:
         >>> full = torch.load("model.pt") if dist.get_rank() == 0 else {}   # doctest: +SKIP
@@ -298,7 +277,9 @@ def _load_everywhere(
                 f"{where}: state_dict must be a mapping, got {type(state_dict).__name__}"
             )
         problems = ProblemList(where)
-        problems.extend(_meta_problems(entries))
+        metas = meta_tensors(entries)
+        problems.extend(unfilled_meta_problems(metas, state_dict))
+        problems.extend(non_persistent_meta_problems(model))
         missing, unexpected = _check_keys(entries, state_dict, strict, problems)
         problems.extend(
             meta_value_problems(
@@ -306,6 +287,8 @@ def _load_everywhere(
             )
         )
         problems.raise_if_any(ValueError)
+    if metas:
+        allocate_for_load(model)  # [Note: loading into a meta model]
     loaded: set[int] = set()
     rest: dict[str, Any] = {}
     with torch.no_grad():
@@ -343,50 +326,25 @@ def _load_from_rank0(
     info = root_info(model, where)
     src = src_rank(info)
     is_src = dist.get_rank() == src
-    local_problems = _meta_problems(entries)
+    local_problems: list[str] = []
+    metas = meta_tensors(entries)  # checked against what rank 0 sends, below
     described: dict[str, Any] | None = None
     missing: list[str] = []
     unexpected: list[str] = []
     if is_src:
-        if not isinstance(state_dict, Mapping):
-            local_problems.append(
-                f"rank {src} must pass the full state dict as a mapping, got "
-                f"{type(state_dict).__name__}"
-            )
-        else:
-            problems = ProblemList(where)
-            missing, unexpected = _check_keys(entries, state_dict, strict, problems)
-            local_problems.extend(problems.items)
-            described = {}
-            on_meta: list[str] = []
-            for e in entries:
-                if e.key not in state_dict:
-                    continue
-                meta = broadcast_meta(f"key {e.key!r}", state_dict[e.key], local_problems, on_meta)
-                if meta is not None:
-                    described[e.key] = meta
-            local_problems.extend(meta_value_problems(on_meta))
-        empty = [key for key, _, _, buffer in _non_persistent_buffers(model) if buffer.is_meta]
-        if empty:
-            local_problems.append(
-                f"{len(empty)} non-persistent buffer(s) are on the meta device on rank {src} "
-                f"({first_few([repr(k) for k in empty])}): broadcast_from_rank0 copies them from rank {src}'s model "
-                f"(they are in no state dict), so rank {src} must hold their values; build the "
-                f"model on rank {src} without torch.device('meta') (the other ranks may use it)"
-            )
+        described, missing, unexpected = _check_on_rank0(
+            model, entries, state_dict, strict, where, src, local_problems
+        )
     everyone = _collectives.all_gather_objects_by_rank(
-        (dist.get_rank(), local_problems, described, missing, unexpected), info, label=where
+        (dist.get_rank(), local_problems, described, missing, unexpected, metas), info, label=where
     )
-    found_on: dict[str, list[int]] = {}  # each problem once (a meta model is so on every rank)
-    for rank, rank_problems, *_ in everyone:
-        for p in rank_problems:
-            found_on.setdefault(p, []).append(rank)
-    problems = ProblemList(where)
-    for text, ranks in found_on.items():
-        plain = ranks == [src] or len(ranks) == len(everyone)
-        problems.add(text if plain else f"({rank_list(ranks)}) {text}")
-    problems.raise_if_any(ValueError)
-    _, _, described, missing, unexpected = next(item for item in everyone if item[0] == src)
+    _, _, described, missing, unexpected, _ = next(item for item in everyone if item[0] == src)
+    if described is not None:  # (else rank src's own problem is raised)
+        for _, rank_problems, *_, rank_metas in everyone:
+            rank_problems.extend(unfilled_meta_problems(rank_metas, described))
+    _raise_agreed(everyone, src, where)
+    if metas:
+        allocate_for_load(model)  # [Note: loading into a meta model]
     assert_described: dict[str, Any] = described or {}
     in_row = in_src_row(info, src)
     rep_src = replicate_src(info, src)
@@ -408,29 +366,84 @@ def _load_from_rank0(
                 continue
             loaded.add(id(e.slot))
             _receive_shard(e.slot, src, in_row, rep_src, source, e.key)
-        # Non-persistent buffers (rotary tables, position ids) are in no state dict: take rank
-        # 0's, so ranks that built the model on the meta device get real values too.
-        received: dict[int, torch.Tensor] = {}
-        for key, module, name, buffer in _non_persistent_buffers(model):
-            meta = ("tensor", tuple(buffer.shape), buffer.dtype)
-            value = broadcast_full(info, src, in_row, rep_src, buffer if is_src else None, meta, key)
-            if buffer.is_meta:  # a copy into it would do nothing ([Note: meta tensors in a load])
-                module._buffers[name] = received.setdefault(id(buffer), value)  # shared: once
-            else:
-                buffer.copy_(value)
+        _receive_non_persistent_buffers(model, info, src, in_row, rep_src)
     if rest:
         model.load_state_dict(rest, strict=False)
     return LoadResult(list(missing), list(unexpected))
 
 
-def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
-    """``(key, owning module, attribute name, buffer)`` of each non-persistent buffer."""
-    found = []
-    for prefix, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name in module._non_persistent_buffers_set:
-                found.append((f"{prefix}.{name}" if prefix else name, module, name, buffer))
-    return found
+def _check_on_rank0(
+    model: nn.Module,
+    entries: list[Entry],
+    state_dict: Mapping[str, Any] | None,
+    strict: bool,
+    where: str,
+    src: int,
+    local_problems: list[str],
+) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """Rank 0's checks of its state dict and model (added to ``local_problems``), and what it
+    announces: each value's description (``broadcast_meta``), the missing and unexpected keys."""
+    described: dict[str, Any] | None = None
+    missing: list[str] = []
+    unexpected: list[str] = []
+    if not isinstance(state_dict, Mapping):
+        local_problems.append(
+            f"rank {src} must pass the full state dict as a mapping, got "
+            f"{type(state_dict).__name__}"
+        )
+    else:
+        problems = ProblemList(where)
+        missing, unexpected = _check_keys(entries, state_dict, strict, problems)
+        local_problems.extend(problems.items)
+        described = {}
+        on_meta: list[str] = []
+        for e in entries:
+            if e.key not in state_dict:
+                continue
+            meta = broadcast_meta(f"key {e.key!r}", state_dict[e.key], local_problems, on_meta)
+            if meta is not None:
+                described[e.key] = meta
+        local_problems.extend(meta_value_problems(on_meta))
+    empty = [key for key, _, _, buffer in non_persistent_buffers(model) if buffer.is_meta]
+    if empty:
+        local_problems.append(
+            f"{len(empty)} non-persistent buffer(s) are on the meta device on rank {src} "
+            f"({first_few([repr(k) for k in empty])}): broadcast_from_rank0 copies them from rank {src}'s model "
+            f"(they are in no state dict), so rank {src} must hold their values; build the "
+            f"model on rank {src} without torch.device('meta') (the other ranks may use it)"
+        )
+    return described, missing, unexpected
+
+
+def _raise_agreed(everyone: list[Any], src: int, where: str) -> None:
+    """Raise on every rank the problems any rank found (``everyone``: each rank's
+    ``(rank, problems, ...)``), each problem once, naming its ranks unless rank ``src`` or
+    every rank found it (a meta model is so on every rank)."""
+    found_on: dict[str, list[int]] = {}
+    for rank, rank_problems, *_ in everyone:
+        for p in rank_problems:
+            found_on.setdefault(p, []).append(rank)
+    problems = ProblemList(where)
+    for text, ranks in found_on.items():
+        plain = ranks == [src] or len(ranks) == len(everyone)
+        problems.add(text if plain else f"({rank_list(ranks)}) {text}")
+    problems.raise_if_any(ValueError)
+
+
+def _receive_non_persistent_buffers(
+    model: nn.Module, info: MeshInfo, src: int, in_row: bool, rep_src: int | None
+) -> None:
+    """Non-persistent buffers (rotary tables, position ids) are in no state dict: take rank
+    0's, so ranks that built the model on the meta device get real values too."""
+    is_src = dist.get_rank() == src
+    received: dict[int, torch.Tensor] = {}
+    for key, module, name, buffer in non_persistent_buffers(model):
+        meta = ("tensor", tuple(buffer.shape), buffer.dtype)
+        value = broadcast_full(info, src, in_row, rep_src, buffer if is_src else None, meta, key)
+        if buffer.is_meta:  # a copy into it would do nothing ([Note: meta tensors in a load])
+            module._buffers[name] = received.setdefault(id(buffer), value)  # shared: once
+        else:
+            buffer.copy_(value)
 
 
 def _receive_shard(

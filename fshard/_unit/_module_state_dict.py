@@ -8,6 +8,7 @@ No collective here except the one agreement of a load of DTensors (``on_any_rank
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,9 +17,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fshard._group import ParamGroup, ShardedState, TrainingState
-from fshard._param import ParamSlot
+from fshard._param import ParamSlot, _set_data
 
 __all__ = [
+    "allocate_meta_shards",
     "as_dtensor",
     "foreign_shard",
     "free_for_load",
@@ -50,6 +52,61 @@ def free_for_load(groups: list[ParamGroup], where: str) -> list[ParamGroup]:
     for group in groups:
         group.reshard()
     return shown
+
+
+def allocate_meta_shards(group: ParamGroup) -> bool:
+    """Give a unit whose shards are on the meta device storage for them (zeros, on the unit's
+    shard device), keeping the parameter objects; whether it had to."""
+    if not any(bucket.flat_shard.is_meta for bucket in group.buckets):
+        return False
+    zeros = [
+        torch.zeros(s.layout.local_shape, dtype=s.sharded_param.dtype, device=group.mesh_info.device)
+        for s in group.slots
+    ]
+    group.set_slots(group.slots, zeros)
+    return True
+
+
+# Units whose shards a load into a meta model allocated (a unit's owners are loaded one module at
+# a time; the first allocates the whole unit, and torch still asks the others for assign).
+_ALLOCATED_FOR_ASSIGN: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
+
+
+def _assign_on_meta(
+    keys: list[tuple[str, ParamSlot]], on_meta: bool, local_metadata: dict[str, Any], where: str
+) -> bool:
+    """Whether the load asked for ``assign``; turned off (the shards are copied into) where
+    the model is on the meta device, refused elsewhere.
+
+    torch's ``set_model_state_dict`` asks for ``assign`` on the ranks whose model is on meta:
+    the shards get storage and are copied into instead ([Note: loading into a meta model] in
+    ``_state_dict/_common``). A unit allocated so by its first owner is no longer on meta when
+    its other owners are loaded.
+    """
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return False
+    if not on_meta and not all(slot.group_ref() in _ALLOCATED_FOR_ASSIGN for _, slot in keys):
+        raise ValueError(
+            f"{where}(assign=True) would replace fshard's sharded parameters "
+            f"({keys[0][0]!r}, ...); load without assign (a model built on the meta "
+            "device is loaded without it, and needs no fshard.materialize(model) first), "
+            "or use fshard.load_state_dict(model, state_dict)"
+        )
+    local_metadata["assign_to_params_buffers"] = False
+    return True
+
+
+def _allocate_own_meta(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, device: torch.device
+) -> None:
+    """Storage for ``module``'s own meta parameters (not sharded ones: ignored) and buffers
+    that ``state_dict`` is about to fill, so that copying into them loads them."""
+    for name, param in module._parameters.items():
+        if param is not None and param.is_meta and prefix + name in state_dict:
+            _set_data(param, torch.empty_like(param, device=device))
+    for name, buffer in module._buffers.items():
+        if buffer is not None and buffer.is_meta and prefix + name in state_dict:
+            module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def local_shard(slot: ParamSlot) -> torch.Tensor:
@@ -226,16 +283,18 @@ def on_module_load_state_dict(
     keys = [(prefix + name, slot) for name, slot in owned.items() if prefix + name in state_dict]
     if not keys:
         return
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise ValueError(
-            f"{where}(assign=True) would replace fshard's sharded parameters "
-            f"({keys[0][0]!r}, ...); load without assign (after fshard.materialize(model) for a "
-            "model built on the meta device), or use fshard.load_state_dict(model, state_dict)"
-        )
+    on_meta = any(local_shard(slot).is_meta for _, slot in keys)
+    assign = _assign_on_meta(keys, on_meta, local_metadata, where)
     from fshard._hooks import on_any_rank  # (upward, for now: a collective helper of _hooks)
 
     groups = {id(g): g for _, slot in keys if (g := slot.group_ref()) is not None}
     free_for_load(list(groups.values()), where)  # the units gather again on their next use
+    if on_meta:
+        for group in groups.values():
+            if allocate_meta_shards(group):
+                _ALLOCATED_FOR_ASSIGN.add(group)  # its other owners' hooks see real shards
+    if on_meta or assign:
+        _allocate_own_meta(module, state_dict, prefix, keys[0][1].mesh_info.device)
     foreign = {key: foreign_shard(f"key {key!r}", state_dict[key], slot) for key, slot in keys}
     on_mesh = [
         slot

@@ -17,8 +17,17 @@ from torch import nn
 
 from fshard import _collectives
 from fshard._errors import ProblemList
+from fshard._materialize import allocate_for_load
 from fshard._param import ParamSlot
-from fshard._state_dict._common import model_entries, param_names, ranks_agree, root_info
+from fshard._state_dict._common import (
+    meta_tensors,
+    model_entries,
+    non_persistent_meta_problems,
+    param_names,
+    ranks_agree,
+    root_info,
+    unfilled_meta_problems,
+)
 from fshard._state_dict._model import load_state_dict, state_dict
 from fshard._state_dict._optim import load_optim
 from fshard._state_dict._optim_checks import OPTIMIZER_CLASS_KEY, STRICT_HINT
@@ -134,6 +143,10 @@ def load(
     holds its parameters (see ``fshard.load_optim_state_dict``). Shape mismatches are errors
     either way.
 
+    A model built on the meta device (on some ranks or all) and sharded needs no
+    ``fshard.materialize``: each rank allocates only its own shards, which the load fills (see
+    ``fshard.load_state_dict``).
+
     Example:
         >>> extra = fshard.checkpoint.load("runs/step-100", model, opt)  # doctest: +SKIP
         >>> start = extra["step"] + 1                                    # doctest: +SKIP
@@ -169,6 +182,11 @@ def load(
     if optim_loader is not None and optim_desc is not None:
         # Keys, shapes and the class, before anything is read (the ranks agree in there).
         optim_loader(_optim_to_load(optim_desc, to_load["optim"]), check_only=True)
+    if allocate_for_load(model):  # the templates above hold meta tensors: make them again
+        model_sd = state_dict(model)
+        to_load["model"] = {k: model_sd[k] for k in to_load["model"]}
+        if optimizer is not None and optim_desc is not None:
+            to_load["optim"] = optim_template(model, optimizer, optim_desc, where, strict=strict)
     safe_dcp_load(to_load, root, no_dist=False)
     load_state_dict(model, to_load["model"], strict=False)
     if optim_loader is not None and optim_desc is not None:
@@ -231,6 +249,9 @@ def _model_template(
             )
     if optimizer and manifest.get("optimizer") is None:
         problems.add("an optimizer was passed but the checkpoint has no optimizer state")
+    # A model built on the meta device: [Note: loading into a meta model].
+    problems.extend(unfilled_meta_problems(meta_tensors(entries), saved_keys))
+    problems.extend(non_persistent_meta_problems(model))
     problems.raise_if_any(
         ValueError, hint="Load into the same model architecture, or pass strict=False."
     )
