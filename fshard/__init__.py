@@ -30,7 +30,7 @@ from fshard._api import (
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
 from fshard._errors import CollectiveError, RankMismatchError
-from fshard._init import materialize
+from fshard._materialize import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._param import ShardedParameter, is_sharded
 from fshard._state_dict import (

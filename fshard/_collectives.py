@@ -27,6 +27,9 @@ from fshard._errors import CollectiveError, collective_error, rank_prefix
 from fshard._options import debug_checks
 from fshard._profiling import phase
 
+if TYPE_CHECKING:
+    from fshard._mesh import MeshInfo
+
 __all__ = [
     "CollectiveRecord",
     "add_tracer",
@@ -35,6 +38,7 @@ __all__ = [
     "reduce_scatter_into",
     "all_reduce_",
     "all_gather_objects",
+    "all_gather_objects_by_rank",
     "broadcast_",
     "gather_into",
     "scatter_into",
@@ -443,6 +447,24 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, label: str)
         _finish(_all_gather_single(gathered, padded, group=group, async_op=True), where, group, False)
         rows = gathered.view(size, longest)
         return [pickle.loads(rows[i, : int(sizes[i])].numpy().tobytes()) for i in range(size)]
+
+
+def all_gather_objects_by_rank(obj: Any, info: MeshInfo | None, *, label: str) -> list[Any]:
+    """One picklable object from every rank, on every rank, in global rank order.
+
+    Over the ranks of ``info``'s mesh (its shard group, then its replicate group: no process
+    group over the whole mesh is needed), or over the default group when ``info`` is ``None``.
+    """
+    if info is None:
+        return all_gather_objects(obj, None, label=label)
+    items = [(dist.get_rank(), obj)]
+    if info.shard_size > 1:
+        parts = all_gather_objects(items, info.shard_group, label=label)
+        items = [item for part in parts for item in part]
+    if info.replicate_group is not None and info.replicate_size > 1:
+        parts = all_gather_objects(items, info.replicate_group, label=label)
+        items = [item for part in parts for item in part]
+    return [o for _, o in sorted(items, key=lambda item: item[0])]
 
 
 def gather_into(

@@ -49,7 +49,7 @@ from torch import nn
 from fshard import _collectives
 from fshard._api import fully_shard, set_prefetch
 from fshard._errors import ProblemList
-from fshard._init import materialize
+from fshard._materialize import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._state_dict import load_state_dict
 from fshard._strategy import ShardingStrategy, parse_strategy, strategy_kwargs
@@ -1305,7 +1305,7 @@ def _rank0_state_dict(model: nn.Module, cfg: FSDPConfig) -> dict[str, torch.Tens
     message or ``None``) first, one small object over the default group, and every rank raises
     the same error: raising on rank 0 alone would leave the others waiting in the weight
     broadcast until the process-group timeout (see [Note: ranks agree on errors] in
-    fshard/_state_dict.py).
+    fshard/_state_dict/_common.py).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return {}

@@ -25,8 +25,13 @@ __all__ = [
     "post_forward_group",
     "default_device_type",
     "default_mesh",
+    "group_ranks",
+    "in_src_row",
     "mesh_device",
     "register_mesh_cache",
+    "replicate_src",
+    "row_of",
+    "src_rank",
 ]
 
 
@@ -211,3 +216,43 @@ def post_forward_group(info: MeshInfo, size: int) -> PostForwardGroup:
         _POST_FORWARD_GROUPS[key] = cached
     subgroup = cached[1]
     return PostForwardGroup(group=subgroup, size=size, rank=dist.get_rank(subgroup))
+
+
+# ------------------------------------------------------------------------ mesh coordinates
+
+# [Note: rank 0]
+# "Rank 0" of a mesh is its first rank (``mesh.mesh.flatten()[0]``), which is global rank 0 for
+# a mesh over all ranks: the rank that gathers a full state dict, and that broadcasts one.
+
+
+def src_rank(info: MeshInfo) -> int:
+    """The global rank of the mesh's rank 0 (see [Note: rank 0])."""
+    return int(info.mesh.mesh.flatten()[0].item())
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group``."""
+    return list(dist.get_process_group_ranks(group))
+
+
+def in_src_row(info: MeshInfo, src: int) -> bool:
+    """True on the ranks of ``src``'s shard group (the only ones that talk to ``src`` first)."""
+    return src in group_ranks(info.shard_group)
+
+
+def replicate_src(info: MeshInfo, src: int) -> int | None:
+    """The member of this rank's replicate group that sits in ``src``'s shard group."""
+    if info.replicate_group is None or info.replicate_size == 1:
+        return None
+    row = set(group_ranks(info.shard_group))
+    src_row = row_of(info, src)
+    for rank in group_ranks(info.replicate_group):
+        if row_of(info, rank) == src_row:
+            return rank
+    raise RuntimeError(f"no rank of replicate group {group_ranks(info.replicate_group)} in {row}")
+
+
+def row_of(info: MeshInfo, rank: int) -> int:
+    """The replicate coordinate (the row of the mesh) of global ``rank``."""
+    coords = (info.mesh.mesh == rank).nonzero()
+    return int(coords[0, 0].item())

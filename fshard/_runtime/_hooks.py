@@ -259,7 +259,8 @@ _HOOKED_ATTR = "_fshard_state_dict_hooked"
 def index_param_owners(module: nn.Module) -> None:
     """Hook ``state_dict()`` / ``load_state_dict()`` of every module under ``module`` that
     registers a sharded parameter, so that each gives DTensors and takes full tensors for its
-    own parameters (see [Note: model.state_dict() on a sharded model] in _state_dict)."""
+    own parameters (see [Note: model.state_dict() on a sharded model] in
+    _unit._module_state_dict)."""
     for sub in module.modules():
         if not sub.__dict__.get(_HOOKED_ATTR) and owned_slots(sub):
             sub.__dict__[_HOOKED_ATTR] = True
@@ -288,7 +289,7 @@ def owned_slots(module: nn.Module) -> dict[str, Any]:
 def _owner_state_dict_post(
     module: nn.Module, destination: dict[str, Any], prefix: str, _meta: Any
 ) -> None:
-    from fshard._state_dict import on_module_state_dict  # imports this module
+    from fshard._unit._module_state_dict import on_module_state_dict
 
     on_module_state_dict(owned_slots(module), destination, prefix)
 
@@ -303,7 +304,7 @@ def _owner_load_state_dict_pre(
     _unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    from fshard._state_dict import on_module_load_state_dict  # imports this module
+    from fshard._unit._module_state_dict import on_module_load_state_dict
 
     on_module_load_state_dict(
         module, owned_slots(module), state_dict, prefix, local_metadata, error_msgs

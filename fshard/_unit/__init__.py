@@ -8,4 +8,5 @@ Modules, lowest first (each imports only the ones above it):
 - ``_backward``: when a unit's backward is done.
 - ``_group``: ``ParamGroup``, the unit's states and named transitions.
 - ``_registry``: which unit a module belongs to.
+- ``_module_state_dict``: a module's ``state_dict()`` / ``load_state_dict()`` on its shards.
 """

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import fshard
 import fshard.checkpoint as ckpt
+from fshard.checkpoint._load import optim_template
+from fshard.checkpoint._manifest import manifest_bytes, read_manifest
 from fshard.testing import RanksFailed, get_pool, mesh_for
 from fshard.testing.models import TransformerSpec
 from tests.dist import _sd_common as C
@@ -412,7 +414,7 @@ def _rewrite_manifest(path: Path, edit) -> None:
     outer = json.loads((path / ckpt.MANIFEST).read_text())
     body = outer["body"]
     edit(body)
-    (path / ckpt.MANIFEST).write_bytes(ckpt._manifest_bytes(body))
+    (path / ckpt.MANIFEST).write_bytes(manifest_bytes(body))
 
 
 def _refresh_file_entry(path: Path, rel: str) -> None:
@@ -850,7 +852,7 @@ def _zero_dim_step_task(path):
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     # The template's step: on the CPU, plain, as torch's Adam keeps it (not on the param's
     # device because the 0-d param's step is shaped like the param, hence saved as its shard).
-    template = ckpt._optim_template(fresh, fresh_opt, ckpt._read_manifest(path)["optimizer"], "load", strict=True)
+    template = optim_template(fresh, fresh_opt, read_manifest(path)["optimizer"], "load", strict=True)
     step = template["scale"]["step"]
     ckpt.load(path, fresh, fresh_opt)
     loaded = fresh_opt.state[fresh.scale]

@@ -662,14 +662,26 @@ def _meta_buffer_model() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def _meta_buffer_task(broadcast: bool) -> None:
+    """A state dict without the meta buffers (``strict=False``): the load cannot fill them."""
     model, sd = _meta_buffer_model()
+    sd = {k: v for k, v in sd.items() if not k.startswith(("1.running_mean", "1.running_var"))}
     given = sd if not broadcast or dist.get_rank() == 0 else {}
     watched = [p.detach() for p in model.parameters()]
     before = [t.clone() for t in watched]
     try:
-        fshard.load_state_dict(model, given, broadcast_from_rank0=broadcast)
+        fshard.load_state_dict(model, given, strict=False, broadcast_from_rank0=broadcast)
     finally:
         _unchanged(watched, before)
+
+
+def _meta_buffer_filled_task(broadcast: bool) -> bool:
+    """A state dict that holds them: the load gives them storage and fills them."""
+    model, sd = _meta_buffer_model()
+    fshard.load_state_dict(model, sd if not broadcast or dist.get_rank() == 0 else {}, broadcast_from_rank0=broadcast)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(model[1], name), sd[f"1.{name}"], rtol=0, atol=0)
+    model.eval()(torch.randn(3, 6))
+    return True
 
 
 def _meta_buffer_materialized_task(broadcast: bool) -> bool:
@@ -683,15 +695,21 @@ def _meta_buffer_materialized_task(broadcast: bool) -> bool:
 
 
 @pytest.mark.parametrize("broadcast", [False, True], ids=["everywhere", "from_rank0"])
-def test_a_buffer_left_on_the_meta_device_is_an_error_naming_it(broadcast):
+def test_a_buffer_left_on_the_meta_device_is_filled_or_an_error_naming_it(broadcast):
     """A load copies into the model's buffers, and a copy into a meta buffer does nothing
-    (torch only warns): the load reported success and the forward failed."""
+    (torch only warns): the load reported success and the forward failed. Now a meta buffer
+    the state dict holds gets storage and its values ([Note: loading into a meta model]), and
+    one it does not hold is an error on every rank, before anything is loaded."""
     message = _every_rank_raises_at_once(
         _meta_buffer_task,
         broadcast,
-        patterns=["2 buffer(s) are on the meta device ('1.running_mean', '1.running_var')", "fshard.materialize(model)"],
+        patterns=[
+            "2 buffer(s) are on the meta device and the state dict does not hold them ('1.running_mean', '1.running_var')",
+            "fshard.materialize(model)",
+        ],
     )
     assert "num_batches_tracked" not in message and "parameter" not in message, message
+    assert all(get_pool(2).run(_meta_buffer_filled_task, broadcast))
     assert all(get_pool(2).run(_meta_buffer_materialized_task, broadcast))
 
 

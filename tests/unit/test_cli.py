@@ -534,10 +534,11 @@ def test_consolidate_refuses_missing_checkpoint_and_existing_output(
 def _fake_checkpoint(path: Path, created: float) -> None:
     """A directory that fshard.checkpoint takes for a complete checkpoint (a manifest only)."""
     import fshard.checkpoint as ckpt
+    from fshard.checkpoint._manifest import manifest_bytes
 
     path.mkdir()
     body = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "created": created}
-    (path / ckpt.MANIFEST).write_bytes(ckpt._manifest_bytes(body))
+    (path / ckpt.MANIFEST).write_bytes(manifest_bytes(body))
 
 
 def test_consolidate_of_a_run_root_suggests_its_newest_checkpoint(

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fshard"
 # relative to ``fshard`` (a package stands for all of its modules).
 LAYERS: list[list[str]] = [
     ["_placement", "_options", "_errors", "_profiling", "_trees", "_checksum", "transforms"],
-    ["_mesh", "_collectives"],
+    ["_mesh", "_hang", "_collectives"],
     ["_param", "_bucket", "_amp", "_strategy", "_memtrack"],
     ["_unit"],
     ["_runtime"],

@@ -30,9 +30,10 @@ from torch.overrides import TorchFunctionMode
 
 from fshard._errors import ProblemList, first_few
 from fshard._param import is_sharded, set_data
+from fshard._unit._module_state_dict import allocate_meta_shards
 from fshard._unit._registry import units_under
 
-__all__ = ["materialize"]
+__all__ = ["allocate_for_load", "materialize"]
 
 logger = logging.getLogger("fshard")
 
@@ -87,12 +88,7 @@ def materialize(
         _check_weakrefs(model)
         # 1. Real storage for every meta shard (zeros until initialised below).
         for group in groups:
-            if any(b.flat_shard.is_meta for b in group.buckets):
-                zeros = [
-                    torch.zeros(s.layout.local_shape, dtype=s.sharded_param.dtype, device=device)
-                    for s in group.slots
-                ]
-                group.set_slots(group.slots, zeros)
+            allocate_meta_shards(group)
         # 2. Initialise module by module, children before their parent (see the module
         # docstring).
         done: set[int] = set()
@@ -107,6 +103,42 @@ def materialize(
                 module._buffers[name] = torch.empty_like(buffer, device=device)  # type: ignore[arg-type]  # not None above
             _init_module(module, needs, init_fn, done, device, names[id(module)])
     return model
+
+
+def allocate_for_load(model: nn.Module) -> bool:
+    """Storage without values for what ``model`` holds on the meta device, for a load that
+    fills it next: each meta unit's shards (only this rank's rows), meta parameters fshard does
+    not shard (ignored ones), and meta persistent buffers, on the mesh's device. No initialiser
+    runs. Non-persistent buffers stay as they are (no state dict holds them: the caller gives
+    them values or refuses them). Returns whether anything was on the meta device.
+
+    See [Note: loading into a meta model] in ``fshard._state_dict._common``.
+    """
+    groups = units_under(model)
+    if not groups:
+        return False
+    device = groups[0].mesh_info.device
+    allocated = False
+    fresh: dict[int, torch.Tensor] = {}  # a buffer registered under two modules: one tensor
+    with _rnn_weight_refs_dropped(model):
+        for group in groups:
+            allocated = allocate_meta_shards(group) or allocated
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and param.is_meta and not is_sharded(param):
+                    set_data(param, torch.empty_like(param, device=device))
+                    allocated = True
+            for name, buffer in module._buffers.items():
+                if (
+                    buffer is not None
+                    and buffer.is_meta
+                    and name not in module._non_persistent_buffers_set
+                ):
+                    if id(buffer) not in fresh:  # (every meta buffer is alive: ids unique)
+                        fresh[id(buffer)] = torch.empty_like(buffer, device=device)
+                    module._buffers[name] = fresh[id(buffer)]
+                    allocated = True
+    return allocated
 
 
 @contextlib.contextmanager
