@@ -22,7 +22,7 @@ tensors they hold.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,7 +201,15 @@ class LiveTensorBytes(TorchDispatchMode):
                 storage = _storage(local)
                 if storage is not None and storage._cdata not in self._live:
                     key = storage._cdata
-                    self._live[key] = weakref.ref(storage, lambda _, k=key: self._live.pop(k, None))
+                    self._live[key] = weakref.ref(storage, self._forgetter(key))
+
+    def _forgetter(self, key: int) -> Callable[[object], None]:
+        """The weakref callback that drops ``key`` when its storage is freed."""
+
+        def forget(_: object) -> None:
+            self._live.pop(key, None)
+
+        return forget
 
     def _update_peak(self) -> None:
         # Summed again after every op: storages are resized in place (to 0 and back) by

@@ -161,7 +161,7 @@ def format_table(doc: dict[str, Any]) -> str:
             _ms(p["forward"]), _ms(p["backward"]), _ms(p["optimizer"]),
             f"{e['loss']['final_mean']:.4f}",
         ])  # fmt: skip
-    lines += _columns(step_cols, rows) + [""]
+    lines += [*_columns(step_cols, rows), ""]
     mem_cols = [("impl", "<"), ("persistent MiB", ">"), ("params/grads/optim", ">"),
                 ("theory", ">"), ("peak live MiB", ">")]  # fmt: skip
     cuda = any(e["cuda_peak_allocated_bytes"] for e in results.values())
@@ -180,7 +180,7 @@ def format_table(doc: dict[str, Any]) -> str:
             peaks = e["cuda_peak_allocated_bytes"]
             row.append("-" if peaks is None else _mib(max(peaks["per_rank"])))
         rows.append(row)
-    lines += _columns(mem_cols, rows) + [""]
+    lines += [*_columns(mem_cols, rows), ""]
     comm_cols = [("impl", "<"), ("collective", "<"), ("calls", ">"), ("MiB/step", ">"), ("theory MiB", ">")]
     rows = []
     for name, e in results.items():
@@ -192,7 +192,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 name, kind, str(m["calls"]), _mib(m["bytes"]),
                 _mib(theory[kind]) if kind in theory else "-",
             ])  # fmt: skip
-    lines += _columns(comm_cols, rows) + [""]
+    lines += [*_columns(comm_cols, rows), ""]
     lines.append(
         "persistent: this rank's params/grads/AdamW state from tensor storages (largest rank); "
         "theory: ZeRO, padded shards; peak live: tensor storages alive at once during one step "
