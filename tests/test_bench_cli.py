@@ -273,5 +273,10 @@ def test_plot_without_matplotlib_names_the_extra(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
     )
+
+    def no_ranks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the ranks were started before the missing extra was reported")
+
+    monkeypatch.setattr(subprocess, "run", no_ranks)
     assert run_command(_bench_args("--plot", "x.png")) == 2
     assert "pip install 'fshard[plot]'" in capsys.readouterr().err

@@ -232,7 +232,8 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     ax_mem.set_xticks(list(x), names)
     ax_mem.set_ylabel("MiB per rank")
     ax_mem.set_title("memory per rank")
-    ax_mem.legend(frameon=False)
+    ax_mem.set_ylim(0, 1.3 * max(persistent + peak))  # room for the legend above the bars
+    ax_mem.legend(frameon=False, ncols=2, loc="upper center")
     cfg, model = doc["config"], doc["model"]
     fig.suptitle(
         f"fshard bench: {model['name']}, {model['params'] / 1e6:.2f}M params, "
