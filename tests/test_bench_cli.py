@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from fshard._bench import _measure, run_command
+from fshard._bench._gpt import GPT, GPTConfig
 from fshard._bench._report import SCHEMA, format_table, summarize
 from fshard._bench._spec import BenchSpec
 from fshard._bench._theory import UnitShapes, collective_theory, persistent_theory
-from fshard._bench._workload import compute_loss
+from fshard._bench._workload import compute_loss, wrap_plan
 from fshard.cli import build_parser, main
 from tests import _bench_model
 
@@ -243,6 +244,25 @@ def test_batch_contract() -> None:
         compute_loss(stack, [torch.zeros(1)], cpu)
 
 
+def test_units_from_each_policy_flag(tmp_path: Path) -> None:
+    gpt = GPT(GPTConfig(vocab=64, layers=2, dim=8, heads=2))
+    blocks = ("blocks.0", "blocks.1")
+    assert wrap_plan(BenchSpec(), gpt).fqns == blocks
+    assert wrap_plan(BenchSpec(by_class=("Attention",)), gpt).fqns == ("blocks.0.attn", "blocks.1.attn")
+    # A block has 872 parameters, the token embedding (tied to the head) 512: it stays in the root.
+    assert wrap_plan(BenchSpec(min_params=800), gpt).fqns == blocks
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(
+        "mixed_precision: bf16\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: Block\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+    )
+    plan = wrap_plan(BenchSpec(config_file=str(config)), gpt)
+    assert plan.fqns == blocks and plan.reshard_after_forward is False
+    assert plan.param_dtype == torch.bfloat16
+    user = wrap_plan(BenchSpec(model="tests._bench_model:build", batch_fn="x:y"), _bench_model.build())
+    assert user.fqns == ("layers.0", "layers.1", "layers.2") and user.param_dtype is None
+
+
 def _bench_args(*words: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", *words])
 
@@ -257,6 +277,7 @@ def _bench_args(*words: str) -> argparse.Namespace:
         (["--nproc", "2", "--mesh", "2x2"], "--mesh 2x2 has 4 ranks, but --nproc is 2"),
         (["--model", "tests._bench_model:nothing", "--batch-fn", "tests._bench_model:make_batch"],
          "tests._bench_model has no callable 'nothing'"),
+        (["--by-class", "Nothing"], "no module of class 'Nothing' in GPT"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_rank_starts(

@@ -99,15 +99,27 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _check_user_code(spec: BenchSpec) -> None:
-    """Import --model / --batch-fn here first, so a typo is one line, not a traceback per rank."""
-    from fshard._bench._workload import resolve
+def _check_workload(spec: BenchSpec) -> None:
+    """Import --model / --batch-fn and pick the units here first, so that a typo or a policy
+    that matches nothing is one line, not a traceback per rank. The model is built on the meta
+    device (no memory); a factory that cannot build there is checked by the ranks instead."""
+    import torch
+
+    from fshard._bench._workload import load_workload, wrap_plan
 
     sys.path.insert(0, os.getcwd())
     try:
-        for flag, ref in (("--model", spec.model), ("--batch-fn", spec.batch_fn)):
-            if ref:
-                resolve(ref, flag)
+        workload = load_workload(spec)
+        try:
+            with torch.device("meta"):
+                model = workload.make_model()
+        except Exception:  # the factory may need real tensors (loading weights): the ranks see
+            return
+        try:
+            wrap_plan(spec, model)
+        except (ValueError, TypeError) as exc:
+            where = f"--config_file {spec.config_file}: " if spec.config_file else ""
+            raise BenchUsageError(f"{where}{exc}") from None
     finally:
         sys.path.pop(0)
 
@@ -120,7 +132,7 @@ def run_command(args: argparse.Namespace) -> int:
         spec = spec_from_args(args)
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise BenchUsageError("--plot needs matplotlib: pip install 'fshard[plot]'")
-        _check_user_code(spec)
+        _check_workload(spec)
     except BenchUsageError as exc:
         print(f"fshard bench: error: {exc}", file=sys.stderr)
         return 2
