@@ -278,6 +278,7 @@ def _bench_args(*words: str) -> argparse.Namespace:
         (["--model", "tests._bench_model:nothing", "--batch-fn", "tests._bench_model:make_batch"],
          "tests._bench_model has no callable 'nothing'"),
         (["--by-class", "Nothing"], "no module of class 'Nothing' in GPT"),
+        (["--device", "cuda", "--nproc", "64"], "--device cuda needs a GPU per rank: --nproc 64"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_rank_starts(

@@ -107,6 +107,11 @@ def _check_workload(spec: BenchSpec) -> None:
 
     from fshard._bench._workload import load_workload, wrap_plan
 
+    if spec.device == "cuda" and torch.cuda.device_count() < spec.nproc:
+        raise BenchUsageError(
+            f"--device cuda needs a GPU per rank: --nproc {spec.nproc}, but "
+            f"{torch.cuda.device_count()} GPU(s) visible; use fewer ranks or --device cpu"
+        )
     sys.path.insert(0, os.getcwd())
     try:
         workload = load_workload(spec)

@@ -32,7 +32,7 @@ import fshard
 from fshard._bench._measure import CollectiveCounter, LiveTensorBytes, storage_bytes
 from fshard._bench._spec import BenchSpec
 from fshard._bench._theory import unit_shapes
-from fshard._bench._workload import WrapPlan, compute_loss, load_workload, wrap_plan
+from fshard._bench._workload import BatchFn, WrapPlan, compute_loss, load_workload, wrap_plan
 
 __all__ = ["main"]
 
@@ -171,39 +171,34 @@ class Progress:
             sys.stderr.flush()
 
 
-def run(spec: BenchSpec) -> dict[str, Any] | None:
-    """Every rank's figures on rank 0 (None elsewhere)."""
-    device = torch.device("cpu")
-    if spec.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank()
-    names = ("shard",) if len(spec.mesh) == 1 else ("replicate", "shard")
-    mesh = init_device_mesh(device.type, spec.mesh, mesh_dim_names=names)
-    workload = load_workload(spec)
-    torch.manual_seed(spec.seed)
-    reference = workload.make_model()
-    plan = wrap_plan(spec, reference)
-    units = unit_shapes(reference, plan.fqns)
-    model_info = {
-        "name": workload.name,
-        "class": type(reference).__name__,
-        "params": sum(p.numel() for p in reference.parameters()),
-        "param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
-        "param_element_bytes": next(reference.parameters()).element_size(),
+def model_info(name: str, model: nn.Module, plan: WrapPlan) -> dict[str, Any]:
+    """The JSON's ``model`` entry: sizes, units and the parameter shapes each unit owns."""
+    units = unit_shapes(model, plan.fqns)
+
+    def dtype_name(dtype: torch.dtype | None) -> str | None:
+        return None if dtype is None else str(dtype).removeprefix("torch.")
+
+    return {
+        "name": name,
+        "class": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "param_element_bytes": next(model.parameters()).element_size(),
         "units": [u.fqn for u in units],
         "unit_shapes": {u.fqn: [list(s) for s in u.shapes] for u in units},
         "reshard_after_forward": plan.reshard_after_forward,
-        "param_dtype": str(plan.param_dtype).removeprefix("torch.") if plan.param_dtype else None,
-        "reduce_dtype": str(plan.reduce_dtype).removeprefix("torch.") if plan.reduce_dtype else None,
+        "param_dtype": dtype_name(plan.param_dtype),
+        "reduce_dtype": dtype_name(plan.reduce_dtype),
     }
-    del reference
-    impls = [build(name, spec, workload.make_model, plan, mesh, device) for name in spec.impls]
+
+
+def measure(impls: list[Impl], spec: BenchSpec, make_batch: BatchFn, device: torch.device) -> None:
+    """Warm-up, the traced step, then the measured steps, the implementations taking turns."""
+    rank = dist.get_rank()
     total = spec.warmup + 1 + spec.steps
     progress = Progress(total * len(impls), enabled=rank == 0)
     for step in range(total):
-        batch = workload.make_batch(step, rank, device)
+        batch = make_batch(step, rank, device)
         order = impls[step % len(impls) :] + impls[: step % len(impls)]
         for impl in order:
             if step < spec.warmup:
@@ -226,6 +221,25 @@ def run(spec: BenchSpec) -> dict[str, Any] | None:
             progress.advance(f"{label} {impl.name}")
         gc.collect()  # between rounds, outside every timer
     progress.close()
+
+
+def run(spec: BenchSpec) -> dict[str, Any] | None:
+    """Every rank's figures on rank 0 (None elsewhere)."""
+    device = torch.device("cpu")
+    if spec.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    names = ("shard",) if len(spec.mesh) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh(device.type, spec.mesh, mesh_dim_names=names)
+    workload = load_workload(spec)
+    torch.manual_seed(spec.seed)
+    reference = workload.make_model()
+    plan = wrap_plan(spec, reference)
+    info = model_info(workload.name, reference, plan)
+    del reference
+    impls = [build(name, spec, workload.make_model, plan, mesh, device) for name in spec.impls]
+    measure(impls, spec, workload.make_batch, device)
     mine = {
         impl.name: {
             "phases": impl.phases,
@@ -239,6 +253,7 @@ def run(spec: BenchSpec) -> dict[str, Any] | None:
     }
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    rank = dist.get_rank()
     # Drop DDP's reducer (it holds a process group) before the groups go: destroying a gloo group
     # from a destructor at interpreter exit can deadlock.
     del impls
@@ -251,7 +266,7 @@ def run(spec: BenchSpec) -> dict[str, Any] | None:
         "backend": "nccl" if device.type == "cuda" else "gloo",
         "torch": torch.__version__,
         "fshard": fshard.__version__,
-        "model": model_info,
+        "model": info,
         "ranks": everyone,
     }
 
