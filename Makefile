@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check numpy -e ".[test,docs,hf,examples,dev]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check numpy -e ".[test,docs,hf,examples,dev,plot]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,5 @@
-"""The ``fshard`` command line: ``fshard launch`` and ``fshard consolidate``.
+"""The ``fshard`` command line: ``fshard launch``, ``fshard consolidate`` and ``fshard bench``
+(``fshard._bench``).
 
 ``fshard launch`` is a thin front end over ``torch.distributed.run`` (torchrun) for people who
 arrive with an accelerate config file: it reads the process layout from the file
@@ -38,6 +39,7 @@ examples:
   fshard launch --nproc 2 train.py --lr 1e-3
   fshard launch --config_file examples/accelerate_config.yaml examples/hf_bert.py
   fshard consolidate checkpoints/step_100 model.safetensors
+  fshard bench --nproc 2 --json bench.json
 
 Run `fshard COMMAND --help` for the options of each command.
 """
@@ -106,11 +108,10 @@ example:
 
 _TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
-_COMMANDS = ("launch", "consolidate")
+_COMMANDS = ("launch", "consolidate", "bench")
 # Sub-commands that SPEC.md plans but this version does not have -> a pointer for now. They get
 # an error that says so instead of argparse's bare "invalid choice"; no stubs that pretend to work.
 _PLANNED_COMMANDS = {
-    "bench": " To time a training step, run benchmarks/step_bench.py from the source tree.",
     "estimate": "",
 }
 
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--force", action="store_true", help="overwrite OUT if it exists"
     )
+    from fshard._bench._spec import add_bench_parser  # bench's flags live with bench
+
+    add_bench_parser(commands, _Formatter)
     return parser
 
 
@@ -789,6 +793,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_launch(args)
     if args.command == "consolidate":
         return _run_consolidate(args)
+    if args.command == "bench":
+        from fshard._bench import run_command  # starts ranks: imported only when asked for
+
+        return run_command(args)
     parser.print_help()
     return 0
 
