@@ -88,7 +88,7 @@ class ParamSlot:
         self.awaiting_sync = False
         self.group_ref: Callable[[], ParamGroup | None] = lambda: None  # owning unit
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
-        self.clip_mark: int | None = None  # see fshard._api._clip_mark
+        self.clip_mark: int | None = None  # see fshard._clip._clip_mark
 
     def drop_unsharded_grad(self) -> None:
         """Forget the full gradient (this backward's and any no_sync sum)."""

@@ -1,0 +1,221 @@
+"""``clip_grad_norm_``: clip gradients by the norm of the full gradient, computed across
+shards."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fshard import _collectives
+from fshard._errors import RankMismatchError
+from fshard._mesh import MeshInfo
+from fshard._param import ParamSlot
+from fshard._sharded import is_sharded
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients by the norm of the *full* gradient, computed across shards.
+
+    Equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (``inf`` norm included).
+    Every rank of the mesh must call it with the same parameters, in any order (it all-reduces
+    a few scalars per mesh, which also tell when the ranks passed different ones: each then
+    raises ``RankMismatchError`` instead of clipping by a wrong norm). Returns the total
+    norm as a tensor. Use it instead of ``torch.nn.utils.clip_grad_norm_``: a sharded parameter's
+    ``.grad`` is this rank's plain shard (so the optimizer runs without tensor-subclass
+    dispatch), and torch's function would clip each rank by the norm of its own shards only.
+
+    ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
+    every rank. The norm is computed in float32, or float64 if any parameter is float64.
+    Parameters fshard does not shard (``ignored_params``), passed together with sharded ones,
+    count with the mean over the mesh's ranks of their part of the norm (the max for ``inf``),
+    so that every rank clips by the same factor; that is their exact part when their gradients
+    agree across ranks (all-reduce them as DDP would). Without sharded parameters there is no
+    mesh: the norm is this rank's, as torch's. ``foreach`` is accepted for compatibility with
+    torch's signature: the clipping always uses the ``_foreach`` kernels.
+
+    Example:
+        >>> loss.backward()                                                  # doctest: +SKIP
+        >>> norm = fshard.clip_grad_norm_(model.parameters(), max_norm=1.0)  # doctest: +SKIP
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    try:
+        norm_type = float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"clip_grad_norm_: norm_type must be a number > 0 or inf (2.0 for the 2-norm, "
+            f"float('inf') for the max-norm), got {norm_type!r}"
+        ) from None
+    if not norm_type > 0:  # also NaN
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type} (0 does "
+            "not measure a gradient's size: torch's counts the params with a non-zero gradient)"
+        )
+    # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
+    # no gradient among them here (a peer may have some): what runs depends on the params only.
+    by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
+    passed: dict[int, list[ParamSlot]] = {}  # per shard group: the sharded params passed
+    plain: list[torch.Tensor] = []
+    any_plain = False
+    wide = False  # a float64 (or complex128) param: the norm in float64, as torch computes it
+    params = []
+    for p in parameters:
+        grad = p.grad
+        wide = wide or p.dtype in (torch.float64, torch.complex128)
+        if is_sharded(p):
+            slot = p._fshard_slot
+            entry = by_group.setdefault(id(slot.mesh_info.shard_group), (slot.mesh_info, [], []))
+            passed.setdefault(id(slot.mesh_info.shard_group), []).append(slot)
+            if grad is not None:
+                # A replicated (0-d) param is held whole by every shard rank: count it once.
+                (entry[2] if slot.layout.replicated else entry[1]).append(grad)
+        else:
+            any_plain = True
+            if grad is not None:
+                plain.append(grad)
+        if grad is not None:
+            params.append(p)
+    if not by_group and not plain:
+        return torch.tensor(0.0)
+    dtype = torch.float64 if wide else torch.float32
+    # The norm lives on the compute device (the mesh's), also when CPU offload keeps grads on
+    # the host: the all-reduce runs there.
+    device = next(iter(by_group.values()))[0].device if by_group else plain[0].device
+    total = _local_norm_power(plain, norm_type, device, dtype)
+    if by_group and any_plain:
+        # Params fshard does not shard (ignored_params) may hold a different gradient on each
+        # rank: count their mean over the mesh (max for inf), so every rank clips alike.
+        total = _mesh_mean_norm_power(total, norm_type, next(iter(by_group.values()))[0])
+    for key, (info, sharded, replicated) in by_group.items():
+        part = _local_norm_power(sharded, norm_type, device, dtype)
+        if info.shard_size > 1:
+            part = _all_reduce_norm_power(part, norm_type, info.shard_group, passed[key])
+        rep = _local_norm_power(replicated, norm_type, device, dtype)
+        total = _combine(_combine(total, part, norm_type), rep, norm_type)
+    total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"{total_norm.item()}, so they cannot be clipped; pass error_if_nonfinite=False to "
+            "clip anyway"
+        )
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:  # filtered above
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, clip_coef.to(device, dtype))
+    return total_norm
+
+
+def _local_norm_power(
+    grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum |g|^p`` (or ``max |g|`` for inf) over local tensors, in ``dtype`` (fp32 or fp64)."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=dtype)
+    if math.isinf(norm_type):
+        values = [
+            g.detach().abs().max().to(device, dtype) if g.numel() else torch.zeros((), device=device, dtype=dtype)
+            for g in grads
+        ]
+        return torch.stack(values).max()
+    norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+    return torch.stack([n.to(device, dtype) for n in norms]).pow(norm_type).sum()
+
+
+def _all_reduce_norm_power(
+    part: torch.Tensor,
+    norm_type: float,
+    group: dist.ProcessGroup,
+    passed: list[ParamSlot] | None = None,
+) -> torch.Tensor:
+    """Sum (or, for inf, max) one rank's part of the norm over ``group``.
+
+    With ``passed`` (the sharded parameters this rank was given), the same all-reduce tells
+    whether every rank was given the same ones, and every rank raises if not: a rank that
+    passed other parameters (say, only those of its own blocks) would otherwise add parts of
+    the norm that belong to no one parameter set, and clip by a wrong factor without a word.
+    """
+    marks = _passed_marks(passed) if passed is not None else []
+    if not math.isinf(norm_type):
+        # Count and fingerprint with their squares: a SUM equals size x mine and the sum of
+        # squares size x mine^2 on every rank exactly when all ranks agree (zero variance),
+        # which every rank computes alike. In float64 the integers stay exact.
+        extra = torch.tensor([float(v) for m in marks for v in (m, m * m)], dtype=torch.float64)
+        packed = torch.cat([part.to(torch.float64).reshape(1), extra.to(part.device)])
+        _collectives.all_reduce_(packed, group, label="clip_grad_norm_")  # NaN sums on
+        size = dist.get_world_size(group)
+        pairs = packed[1:].view(-1, 2)
+        if marks and bool((pairs[:, 1] * size != pairs[:, 0] ** 2).any()):
+            raise _clip_mismatch(passed)
+        return packed[0].to(part.dtype)
+    # A MAX all-reduce need not carry a NaN through (gloo's does not): reduce a NaN flag with
+    # it, and each mark with its negation (max equals minus the max of -mark when all agree).
+    nan = torch.isnan(part)
+    extra = torch.tensor([float(v) for m in marks for v in (m, -m)], dtype=part.dtype)
+    both = torch.cat([torch.stack([torch.where(nan, 0.0, part), nan.to(part.dtype)]), extra.to(part.device)])
+    _collectives.all_reduce_(both, group, label="clip_grad_norm_", op=dist.ReduceOp.MAX)
+    pairs = both[2:].view(-1, 2)
+    if marks and bool((pairs[:, 0] != -pairs[:, 1]).any()):
+        raise _clip_mismatch(passed)
+    return torch.where(both[1] > 0, float("nan"), both[0])
+
+
+def _passed_marks(passed: list[ParamSlot]) -> list[int]:
+    """How many sharded parameters were passed, and a 16-bit fingerprint of which (the sum of
+    each one's hash of its unit and name: any order): small integers that float32 and float64
+    hold exactly."""
+    return [len(passed), sum(_clip_mark(slot) for slot in passed) % 65536]
+
+
+def _clip_mark(slot: ParamSlot) -> int:
+    """A 16-bit hash of the parameter's unit and name, kept once the root named them."""
+    if slot.clip_mark is not None:
+        return slot.clip_mark
+    group = slot.group_ref()
+    name = f"{group.trace_name if group is not None else ''}/{slot.fqn}"
+    mark = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=2).digest(), "little")
+    if group is not None and group.fqn is not None:  # (before root init, names are partial)
+        slot.clip_mark = mark
+    return mark
+
+
+def _clip_mismatch(passed: list[ParamSlot] | None) -> RankMismatchError:
+    count = len(passed) if passed is not None else 0
+    return RankMismatchError(
+        f"clip_grad_norm_: the ranks of a shard group passed different sharded parameters (this "
+        f"rank passed {count}); the norm would mix parts of different parameter sets and every "
+        "rank would clip by a wrong factor. Pass the same parameters on every rank (e.g. "
+        "model.parameters()), in any order."
+    )
+
+
+def _mesh_mean_norm_power(part: torch.Tensor, norm_type: float, info: MeshInfo) -> torch.Tensor:
+    """The mean (or, for inf, max) of one rank's ``part`` over every rank of ``info``'s mesh."""
+    groups = [(info.shard_group, info.shard_size)]
+    if info.replicate_group is not None:
+        groups.append((info.replicate_group, info.replicate_size))
+    for group, size in groups:
+        if size > 1:
+            part = _all_reduce_norm_power(part if math.isinf(norm_type) else part / size, norm_type, group)
+    return part
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return torch.maximum(a, b) if math.isinf(norm_type) else a + b
