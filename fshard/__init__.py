@@ -10,7 +10,7 @@ Example:
 from fshard import checkpoint, transforms  # public submodules
 from fshard._amp import ShardedGradScaler
 from fshard._api import fully_shard
-from fshard._clip import clip_grad_norm_
+from fshard._clip import clip_grad_norm_, patch_torch_total_norm
 from fshard._config import FSDPConfig, config_of, from_config, load_config
 from fshard._controls import (
     UnshardHandle,
@@ -42,6 +42,8 @@ from fshard._strategy import ShardingStrategy, strategy_kwargs
 from fshard._wrap import auto_shard, by_class, by_size, select_modules
 
 __version__ = "0.1.0"
+
+patch_torch_total_norm()  # see [Note: torch's clip_grad_norm_ on sharded parameters]
 
 __all__ = [
     # sharding

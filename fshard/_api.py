@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fshard._clip import track_sharded_params
 from fshard._errors import ProblemList, first_few
 from fshard._group import ParamGroup
 from fshard._hooks import register_unit, unit_of, units_under
@@ -258,6 +259,7 @@ def fully_shard(
             for attr, buffer in sub._buffers.items():
                 if buffer is not None and buffer.device.type == "cpu":
                     sub._buffers[attr] = buffer.to(info.device)
+    track_sharded_params(slot.sharded_param for slot in slots)
     register_unit(group)
     return module
 

@@ -3,9 +3,12 @@ shards."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,9 +17,37 @@ from fshard import _collectives
 from fshard._errors import RankMismatchError
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
-from fshard._sharded import is_sharded
+from fshard._sharded import ShardedParameter, is_sharded
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "patch_torch_total_norm", "track_sharded_params"]
+
+
+# [Note: torch's clip_grad_norm_ on sharded parameters]
+# A sharded parameter's ``.grad`` is this rank's plain shard (the optimizer then runs without
+# tensor-subclass dispatch), so torch.nn.utils.clip_grad_norm_ would compute each rank's norm
+# from its own shards only and clip each rank by a different, wrong factor. All of torch's
+# norm-clipping functions compute the norm in one place: torch.nn.utils.clip_grad's module-level
+# ``_get_total_norm`` (public as torch.nn.utils.get_total_norm), which clip_grad_norm_ (and the
+# deprecated clip_grad_norm) look up at each call; clip_grads_with_norm_ then scales each
+# gradient locally by the norm it is given, which is right once that norm is. So ``import
+# fshard`` replaces that one function, in clip_grad's namespace and as torch.nn.utils.
+# get_total_norm: when a tensor it is given is the ``.grad`` of a sharded parameter (or a sharded
+# parameter itself), it computes the norm as fshard.clip_grad_norm_ does (across shards, on every
+# rank alike); otherwise it calls torch's own, unchanged. No per-op dispatch is added: the
+# optimizer's hot path never meets it. A clip_grad_norm_ bound before ``import fshard`` (``from
+# torch.nn.utils import clip_grad_norm_``) is covered too (it reads the module global); only a
+# get_total_norm bound before ``import fshard`` stays torch's own.
+_TORCH_TOTAL_NORM: list[Callable[..., torch.Tensor]] = []  # torch's _get_total_norm, once patched
+_SHARDED_PARAMS: weakref.WeakSet[ShardedParameter] = weakref.WeakSet()  # every live sharded param
+
+
+class _Part(NamedTuple):
+    """One tensor a norm counts: ``slot`` is its sharded parameter's (None: a tensor fshard
+    does not shard), ``tensor`` the local tensor (a gradient, or a parameter's shard)."""
+
+    slot: ParamSlot | None
+    tensor: torch.Tensor | None
+    wide: bool  # float64 (or complex128): the norm in float64, as torch computes it
 
 
 @torch.no_grad()
@@ -33,9 +64,10 @@ def clip_grad_norm_(
     Every rank of the mesh must call it with the same parameters, in any order (it all-reduces
     a few scalars per mesh, which also tell when the ranks passed different ones: each then
     raises ``RankMismatchError`` instead of clipping by a wrong norm). Returns the total
-    norm as a tensor. Use it instead of ``torch.nn.utils.clip_grad_norm_``: a sharded parameter's
-    ``.grad`` is this rank's plain shard (so the optimizer runs without tensor-subclass
-    dispatch), and torch's function would clip each rank by the norm of its own shards only.
+    norm as a tensor. A sharded parameter's ``.grad`` is this rank's plain shard (so the
+    optimizer runs without tensor-subclass dispatch); once ``fshard`` is imported, torch's
+    ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` compute the norm of such
+    gradients here too (see [Note: torch's clip_grad_norm_ on sharded parameters]).
 
     ``norm_type`` is any ``p > 0`` or ``inf``; a NaN in any rank's shard makes the norm NaN on
     every rank. The norm is computed in float32, or float64 if any parameter is float64.
@@ -52,42 +84,65 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    p_norm = _norm_type(norm_type, "clip_grad_norm_")
+    params = list(parameters)
+    parts = [
+        _Part(p._fshard_slot if is_sharded(p) else None, p.grad, p.dtype in _WIDE) for p in params
+    ]
+    total_norm = _total_norm(parts, p_norm, error_if_nonfinite, "clip_grad_norm_")
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, clip_coef.to(device, dtype))
+    return total_norm
+
+
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _norm_type(norm_type: object, where: str) -> float:
     try:
-        norm_type = float(norm_type)
+        value = float(norm_type)  # type: ignore[arg-type]  # any object: refused below if not a number
     except (TypeError, ValueError):
         raise TypeError(
-            f"clip_grad_norm_: norm_type must be a number > 0 or inf (2.0 for the 2-norm, "
+            f"{where}: norm_type must be a number > 0 or inf (2.0 for the 2-norm, "
             f"float('inf') for the max-norm), got {norm_type!r}"
         ) from None
-    if not norm_type > 0:  # also NaN
+    if not value > 0:  # also NaN
         raise ValueError(
-            f"clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type} (0 does "
+            f"{where}: norm_type must be a number > 0 or inf, got {value} (0 does "
             "not measure a gradient's size: torch's counts the params with a non-zero gradient)"
         )
+    return value
+
+
+def _total_norm(
+    parts: list[_Part], norm_type: float, error_if_nonfinite: bool, where: str
+) -> torch.Tensor:
+    """The norm of order ``norm_type`` of every part's full tensor, alike on every rank."""
     # Every rank joins the all-reduce of each mesh whose sharded params it was given, even with
     # no gradient among them here (a peer may have some): what runs depends on the params only.
     by_group: dict[int, tuple[MeshInfo, list[torch.Tensor], list[torch.Tensor]]] = {}
     passed: dict[int, list[ParamSlot]] = {}  # per shard group: the sharded params passed
     plain: list[torch.Tensor] = []
     any_plain = False
-    wide = False  # a float64 (or complex128) param: the norm in float64, as torch computes it
-    params = []
-    for p in parameters:
-        grad = p.grad
-        wide = wide or p.dtype in (torch.float64, torch.complex128)
-        if is_sharded(p):
-            slot = p._fshard_slot
+    wide = False
+    for slot, tensor, is_wide in parts:
+        wide = wide or is_wide
+        if slot is not None:
             entry = by_group.setdefault(id(slot.mesh_info.shard_group), (slot.mesh_info, [], []))
             passed.setdefault(id(slot.mesh_info.shard_group), []).append(slot)
-            if grad is not None:
+            if tensor is not None:
                 # A replicated (0-d) param is held whole by every shard rank: count it once.
-                (entry[2] if slot.layout.replicated else entry[1]).append(grad)
+                (entry[2] if slot.layout.replicated else entry[1]).append(tensor)
         else:
             any_plain = True
-            if grad is not None:
-                plain.append(grad)
-        if grad is not None:
-            params.append(p)
+            if tensor is not None:
+                plain.append(tensor)
     if not by_group and not plain:
         return torch.tensor(0.0)
     dtype = torch.float64 if wide else torch.float32
@@ -108,19 +163,63 @@ def clip_grad_norm_(
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"{where}: the total norm of order {norm_type} of the gradients is "
             f"{total_norm.item()}, so they cannot be clipped; pass error_if_nonfinite=False to "
             "clip anyway"
         )
-    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        grad = p.grad
-        if grad is not None:  # filtered above
-            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, dtype), same in by_kind.items():
-        torch._foreach_mul_(same, clip_coef.to(device, dtype))
     return total_norm
+
+
+def track_sharded_params(params: Iterable[ShardedParameter]) -> None:
+    """Remember parameters ``fully_shard`` sharded, so that torch's norm functions know their
+    gradients (see [Note: torch's clip_grad_norm_ on sharded parameters])."""
+    _SHARDED_PARAMS.update(params)
+
+
+def patch_torch_total_norm() -> None:
+    """Make torch's gradient-norm functions count sharded gradients across shards (once; see
+    [Note: torch's clip_grad_norm_ on sharded parameters])."""
+    if _TORCH_TOTAL_NORM:
+        return
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._get_total_norm
+    _TORCH_TOTAL_NORM.append(original)
+
+    @functools.wraps(original)
+    def get_total_norm(
+        tensors: Iterable[torch.Tensor] | torch.Tensor,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        parts = _sharded_parts(listed)
+        if parts is None:  # nothing fshard shards: torch's own
+            return original(listed, norm_type, error_if_nonfinite, foreach)
+        where = "torch.nn.utils.get_total_norm (via fshard)"
+        with torch.no_grad():
+            return _total_norm(parts, _norm_type(norm_type, where), error_if_nonfinite, where)
+
+    clip_grad._get_total_norm = get_total_norm
+    torch.nn.utils.get_total_norm = get_total_norm
+
+
+def _sharded_parts(tensors: list[torch.Tensor]) -> list[_Part] | None:
+    """``tensors`` as parts of a norm, with the sharded parameter each one is the gradient of
+    (or is); None when none of them is."""
+    if not _SHARDED_PARAMS:
+        return None
+    owners: dict[int, ShardedParameter] = {}
+    for p in _SHARDED_PARAMS:
+        if is_sharded(p):
+            owners[id(p)] = p
+            if p.grad is not None:
+                owners[id(p.grad)] = p
+    slots = [owners[id(t)]._fshard_slot if id(t) in owners else None for t in tensors]
+    if all(slot is None for slot in slots):
+        return None
+    return [_Part(slot, t, t.dtype in _WIDE) for slot, t in zip(slots, tensors, strict=True)]
 
 
 def _local_norm_power(
