@@ -10,10 +10,12 @@ from collections.abc import Iterable, Iterator
 from typing import TypeVar, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fshard import _collectives
 from fshard._clip import track_sharded_params
 from fshard._errors import ProblemList, first_few
 from fshard._group import ParamGroup
@@ -56,6 +58,7 @@ def fully_shard(
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    sync_module_states: bool = False,
 ) -> M: ...
 
 
@@ -68,6 +71,7 @@ def fully_shard(
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    sync_module_states: bool = False,
 ) -> list[M]: ...
 
 
@@ -79,6 +83,7 @@ def fully_shard(
     mp_policy: MixedPrecision | None = None,
     offload_policy: CPUOffload | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    sync_module_states: bool = False,
 ) -> M | list[M]:
     """Shard ``module``'s parameters over ``mesh`` and make it one unit; returns ``module``.
 
@@ -119,6 +124,12 @@ def fully_shard(
         mp_policy: a ``MixedPrecision`` policy for this unit.
         offload_policy: ``CPUOffload()`` to keep shards and gradients in CPU memory.
         ignored_params: parameters to leave alone (not sharded, gradients not reduced).
+        sync_module_states: broadcast the values of mesh rank 0 (the rank at mesh coordinate
+            ``(0, ...)``) to every rank of the mesh before sharding: the unit's parameters
+            (those it shards and its ``ignored_params``) and the buffers of its modules, as DDP
+            does at construction (accelerate's ``fsdp_sync_module_states``). For models whose
+            ranks built different values (a different seed per rank). Collective over the mesh;
+            meta tensors are skipped (``fshard.materialize`` initialises them later).
 
     Example:
         >>> import torch, fshard
@@ -129,8 +140,12 @@ def fully_shard(
         >>> fshard.fully_shard([model.norm, model.output], mesh=mesh)  # doctest: +SKIP
         >>> fshard.fully_shard(model, mesh=mesh)  # doctest: +SKIP
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> # ranks seeded differently: start from rank 0's weights, as DDP does
+        >>> fshard.fully_shard(other, mesh=mesh, sync_module_states=True)  # doctest: +SKIP
     """
     modules, where = _unit_modules(module)
+    if not isinstance(sync_module_states, bool):
+        raise TypeError(f"{where}: sync_module_states must be a bool, got {sync_module_states!r}")
     if not isinstance(reshard_after_forward, int):
         raise TypeError(
             f"{where}: reshard_after_forward must be a bool, or an int (the number of ranks to "
@@ -217,6 +232,8 @@ def fully_shard(
             "units of their own"
         )
     problems.raise_if_any(ValueError)
+    if sync_module_states:
+        _sync_module_states(modules, managed, ignored_list, info, where)
 
     slots: list[ParamSlot] = []
     for name, param in managed:
@@ -262,6 +279,74 @@ def fully_shard(
     track_sharded_params(slot.sharded_param for slot in slots)
     register_unit(group)
     return module
+
+
+def _sync_module_states(
+    modules: list[nn.Module],
+    managed: list[tuple[str, nn.Parameter]],
+    ignored: list[nn.Parameter],
+    info: MeshInfo,
+    where: str,
+) -> None:
+    """Copy mesh rank 0's values of the unit's parameters and its modules' buffers to every
+    rank of the mesh (``fully_shard(..., sync_module_states=True)``), before sharding.
+
+    The ranks first compare what they would broadcast (names, shapes, dtypes), over the shard
+    then the replicate dimension (equality carries over), and all raise if any differ: a
+    broadcast of tensors that do not pair up would exchange wrong bytes or hang.
+    """
+    ignored_ids = {id(p) for p in ignored}
+    tensors: list[tuple[str, torch.Tensor]] = [(f"parameter {n!r}", p) for n, p in managed]
+    tensors += [
+        (f"parameter {n!r}", p) for n, p in _named_parameters(modules) if id(p) in ignored_ids
+    ]
+    tensors += [(f"buffer {n!r}", b) for n, b in _named_buffers(modules)]
+    plan = [(what, tuple(t.shape), str(t.dtype), t.is_meta) for what, t in tensors]
+    groups = [(info.shard_group, info.shard_size)]
+    if info.replicate_group is not None:
+        groups.insert(0, (info.replicate_group, info.replicate_size))
+    problem: str | None = None
+    for group, size in groups:
+        if size == 1:
+            continue
+        label = f"{where}: sync_module_states"
+        for theirs, their_problem in _collectives.all_gather_objects((plan, problem), group, label=label):
+            problem = problem or their_problem
+            if problem is None and theirs != plan:
+                differ = [f"{a} vs {b}" for a, b in zip(plan, theirs, strict=False) if a != b]
+                problem = (
+                    f"{where}: sync_module_states broadcasts rank 0's parameters and buffers, but "
+                    f"the ranks of the mesh hold different ones ({len(plan)} vs {len(theirs)} "
+                    f"tensors{'; first difference: ' + differ[0] if differ else ''}); build the "
+                    "same model on every rank (values may differ, names, shapes and dtypes not)"
+                )
+    if problem is not None:
+        raise ValueError(f"{problem}\n(every rank of the mesh raises this error)")
+    # Replicate dimension first ((r, s) takes (0, s)), then shard ((r, s) takes (r, 0)): every
+    # rank ends with the values of mesh coordinate (0, 0).
+    for group, size in groups:
+        if size == 1:
+            continue
+        src = dist.get_global_rank(group, 0)
+        for what, tensor in tensors:
+            if tensor.is_meta:
+                continue
+            local = tensor.detach()
+            wire = local.to(info.device).contiguous()  # (NCCL broadcasts from the accelerator)
+            _collectives.broadcast_(wire, src, group, label=f"{where}: sync_module_states {what}")
+            if wire is not local:
+                local.copy_(wire)
+
+
+def _named_buffers(modules: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_buffers()`` of each of a unit's modules, each buffer once."""
+    seen: set[int] = set()
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, buffer in top.named_buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                yield prefix + name, buffer
 
 
 def _post_forward_setting(value: bool | int, info: MeshInfo, where: str) -> bool | int:

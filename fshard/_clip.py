@@ -19,7 +19,7 @@ from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard._sharded import ShardedParameter, is_sharded
 
-__all__ = ["clip_grad_norm_", "patch_torch_total_norm", "track_sharded_params"]
+__all__ = ["clip_grad_norm_"]
 
 
 # [Note: torch's clip_grad_norm_ on sharded parameters]
