@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
-from fshard._clip import track_sharded_params
+from fshard._clip import track_unit
 from fshard._errors import ProblemList, first_few
 from fshard._group import ParamGroup
 from fshard._hooks import register_unit, unit_of, units_under
@@ -144,6 +144,36 @@ def fully_shard(
         >>> fshard.fully_shard(other, mesh=mesh, sync_module_states=True)  # doctest: +SKIP
     """
     modules, where = _unit_modules(module)
+    _check_arguments(modules, where, reshard_after_forward, mp_policy, offload_policy, sync_module_states)
+    info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
+    reshard_after_forward = _post_forward_setting(reshard_after_forward, info, where)
+    ignored_list = ignored_param_list(ignored_params, where)
+    managed = _params_to_shard(modules, {id(p) for p in ignored_list}, info, where)
+    if sync_module_states:
+        _sync_module_states(modules, managed, ignored_list, info, where)
+    group = _make_unit(modules, managed, info, reshard_after_forward, mp_policy, offload_policy)
+    for param in ignored_list:
+        if isinstance(param, torch.Tensor):
+            param._fshard_ignored = True  # type: ignore[attr-defined]  # an ad-hoc tensor attribute: the optimizer check skips it
+    if info.device.type != "cpu":  # the forward computes there (units below moved theirs)
+        for _, sub in _named_modules(modules):
+            for attr, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device.type == "cpu":
+                    sub._buffers[attr] = buffer.to(info.device)
+    track_unit(group)
+    register_unit(group)
+    return module
+
+
+def _check_arguments(
+    modules: list[nn.Module],
+    where: str,
+    reshard_after_forward: object,
+    mp_policy: object,
+    offload_policy: object,
+    sync_module_states: object,
+) -> None:
+    """``fully_shard``'s arguments have the right types, and none of ``modules`` is a unit."""
     if not isinstance(sync_module_states, bool):
         raise TypeError(f"{where}: sync_module_states must be a bool, got {sync_module_states!r}")
     if not isinstance(reshard_after_forward, int):
@@ -164,11 +194,13 @@ def fully_shard(
                 f"{where}: {which} already sharded (fully_shard was called on it before); "
                 "call fully_shard once per module"
             )
-    info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
-    reshard_after_forward = _post_forward_setting(reshard_after_forward, info, where)
-    ignored_list = ignored_param_list(ignored_params, where)
-    ignored = {id(p) for p in ignored_list}
 
+
+def _params_to_shard(
+    modules: list[nn.Module], ignored: set[int], info: MeshInfo, where: str
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the unit of ``modules`` shards, by name: those no unit below owns and
+    ``ignored_params`` leaves out. Every problem found is raised at once (``ValueError``)."""
     problems = ProblemList(where)
     for m in modules:
         problems.extend(_foreign_wrappers(m))
@@ -232,16 +264,26 @@ def fully_shard(
             "units of their own"
         )
     problems.raise_if_any(ValueError)
-    if sync_module_states:
-        _sync_module_states(modules, managed, ignored_list, info, where)
+    return managed
 
+
+def _make_unit(
+    modules: list[nn.Module],
+    managed: list[tuple[str, nn.Parameter]],
+    info: MeshInfo,
+    reshard_after_forward: bool | int,
+    mp_policy: MixedPrecision | None,
+    offload_policy: CPUOffload | None,
+) -> ParamGroup:
+    """Turn ``managed`` into sharded parameters (in place: same objects) of a new unit over
+    ``modules``; gradients they hold already keep this rank's rows."""
     slots: list[ParamSlot] = []
     for name, param in managed:
         layout = shard_layout(param.shape, info.shard_size, info.shard_rank)
-        slot = ParamSlot(param, name, layout, info)  # type: ignore[arg-type]  # becomes sharded below
+        slot = ParamSlot(param, name, layout, info)  # type: ignore[arg-type]  # a plain Parameter until its class changes on the next lines
         grad = param.grad
         param.__class__ = ShardedParameter
-        param._fshard_slot = slot  # type: ignore[attr-defined]  # ShardedParameter attribute
+        param._fshard_slot = slot  # type: ignore[attr-defined]  # mypy still sees nn.Parameter: the class changed on the line above
         if grad is not None:
             param.grad = None
             slot.pending_grad = _local_rows(grad, layout)
@@ -268,17 +310,7 @@ def fully_shard(
                 sites.setdefault(id(registered), []).append((sub, attr))
     for slot in slots:
         slot.registrations = sites.get(id(slot.sharded_param), [])
-    for param in ignored_list:
-        if isinstance(param, torch.Tensor):
-            param._fshard_ignored = True  # type: ignore[attr-defined]  # the optimizer check skips it
-    if info.device.type != "cpu":  # the forward computes there (units below moved theirs)
-        for _, sub in _named_modules(modules):
-            for attr, buffer in sub._buffers.items():
-                if buffer is not None and buffer.device.type == "cpu":
-                    sub._buffers[attr] = buffer.to(info.device)
-    track_sharded_params(slot.sharded_param for slot in slots)
-    register_unit(group)
-    return module
+    return group
 
 
 def _sync_module_states(

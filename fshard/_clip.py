@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fshard import _collectives
 from fshard._errors import RankMismatchError
+from fshard._group import ParamGroup
 from fshard._mesh import MeshInfo
 from fshard._param import ParamSlot
 from fshard._sharded import ShardedParameter, is_sharded
@@ -38,7 +39,9 @@ __all__ = ["clip_grad_norm_"]
 # torch.nn.utils import clip_grad_norm_``) is covered too (it reads the module global); only a
 # get_total_norm bound before ``import fshard`` stays torch's own.
 _TORCH_TOTAL_NORM: list[Callable[..., torch.Tensor]] = []  # torch's _get_total_norm, once patched
-_SHARDED_PARAMS: weakref.WeakSet[ShardedParameter] = weakref.WeakSet()  # every live sharded param
+# Every live unit (never the parameters themselves: a weak reference to a parameter would stop
+# fshard.materialize from swapping its storage in place).
+_UNITS: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 class _Part(NamedTuple):
@@ -170,10 +173,10 @@ def _total_norm(
     return total_norm
 
 
-def track_sharded_params(params: Iterable[ShardedParameter]) -> None:
-    """Remember parameters ``fully_shard`` sharded, so that torch's norm functions know their
-    gradients (see [Note: torch's clip_grad_norm_ on sharded parameters])."""
-    _SHARDED_PARAMS.update(params)
+def track_unit(group: ParamGroup) -> None:
+    """Remember a unit ``fully_shard`` made, so that torch's norm functions know its parameters
+    and their gradients (see [Note: torch's clip_grad_norm_ on sharded parameters])."""
+    _UNITS.add(group)
 
 
 def patch_torch_total_norm() -> None:
@@ -208,14 +211,16 @@ def patch_torch_total_norm() -> None:
 def _sharded_parts(tensors: list[torch.Tensor]) -> list[_Part] | None:
     """``tensors`` as parts of a norm, with the sharded parameter each one is the gradient of
     (or is); None when none of them is."""
-    if not _SHARDED_PARAMS:
+    if not _UNITS:
         return None
     owners: dict[int, ShardedParameter] = {}
-    for p in _SHARDED_PARAMS:
-        if is_sharded(p):
-            owners[id(p)] = p
-            if p.grad is not None:
-                owners[id(p.grad)] = p
+    for group in list(_UNITS):
+        for slot in group.slots:
+            p = slot.sharded_param
+            if is_sharded(p):
+                owners[id(p)] = p
+                if p.grad is not None:
+                    owners[id(p.grad)] = p
     slots = [owners[id(t)]._fshard_slot if id(t) in owners else None for t in tensors]
     if all(slot is None for slot in slots):
         return None

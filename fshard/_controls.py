@@ -454,5 +454,5 @@ def set_prefetch(
             f"got {backward!r}"
         )
     if group.root is not None:  # the model has run: its units are known (else checked then)
-        check_prefetch_targets(group.root.groups)  # type: ignore[attr-defined]  # RootState
-        check_prefetch_alike(group.root)  # type: ignore[arg-type]  # a RootState
+        check_prefetch_targets(group.root.groups)  # type: ignore[attr-defined]  # ParamGroup.root is typed object; it is a RootState
+        check_prefetch_alike(group.root)  # type: ignore[arg-type]  # ParamGroup.root is typed object; it is a RootState
