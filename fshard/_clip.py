@@ -1,5 +1,6 @@
 """``clip_grad_norm_``: clip gradients by the norm of the full gradient, computed across
-shards."""
+shards; and the same norm for torch's ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` on
+sharded parameters (see [Note: torch's clip_grad_norm_ on sharded parameters])."""
 
 from __future__ import annotations
 
