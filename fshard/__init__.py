@@ -9,27 +9,23 @@ Example:
 
 from fshard import checkpoint, transforms  # public submodules
 from fshard._amp import ShardedGradScaler
-from fshard._api import (
-    MemoryStats,
-    UnitInfo,
+from fshard._api import fully_shard
+from fshard._clip import clip_grad_norm_, patch_torch_total_norm
+from fshard._config import FSDPConfig, config_of, from_config, load_config
+from fshard._controls import (
     UnshardHandle,
-    clip_grad_norm_,
-    fully_shard,
-    memory_stats,
     no_sync,
     register_forward_method,
-    reset_peak_memory_stats,
     reshard,
     set_gradient_divide_factor,
     set_prefetch,
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
-    units,
     unshard,
 )
-from fshard._config import FSDPConfig, config_of, from_config, load_config
 from fshard._errors import CollectiveError, RankMismatchError
+from fshard._introspect import MemoryStats, UnitInfo, memory_stats, reset_peak_memory_stats, units
 from fshard._materialize import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._param import ShardedParameter, is_sharded
@@ -46,6 +42,8 @@ from fshard._strategy import ShardingStrategy, strategy_kwargs
 from fshard._wrap import auto_shard, by_class, by_size, select_modules
 
 __version__ = "0.1.0"
+
+patch_torch_total_norm()  # see [Note: torch's clip_grad_norm_ on sharded parameters]
 
 __all__ = [
     # sharding

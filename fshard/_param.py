@@ -273,7 +273,7 @@ class ParamSlot:
         # The owning unit, held weakly (``fshard._unit._group.group_of`` gives its ParamGroup).
         self.group_ref: Callable[[], SlotOwner | None] = _no_owner
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
-        self.clip_mark: int | None = None  # see fshard._api._clip_mark
+        self.clip_mark: int | None = None  # see fshard._clip._clip_mark
 
     def drop_unsharded_grad(self) -> None:
         """Forget the unsharded grad (this backward's and any no_sync sum)."""
