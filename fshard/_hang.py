@@ -457,16 +457,27 @@ def rendezvous(where: Where, group: dist.ProcessGroup | None, reason: str, topic
 def _other_agreements(
     store: dist.distributed_c10d.Store, base: str, peers: list[int], seq: int, topic: str, at_seq: bool = False
 ) -> list[str]:
-    """Peers agreeing on something other than ``topic`` (or at another sequence number): at
-    this sequence number (``at_seq``, once every key is there) or wherever they are now."""
+    """Peers that agree on something other than ``topic`` at ``seq``: from their key at ``seq``
+    (``at_seq``: once every key is there), or from what they agree on now. A peer agreeing at
+    an earlier number that this rank agreed on too has not yet seen that everyone did
+    (harmless); any other number is a collective one of the two issued without agreeing."""
     out = []
     for rank in peers:
-        key = f"{base}{seq}/{rank}" if at_seq else f"{base}now/{rank}"
-        if not store.check([key]):
-            continue
-        theirs = json.loads(store.get(key))
-        if not theirs:
-            continue  # done agreeing
+        mine = f"{base}{seq}/{rank}"
+        if at_seq or store.check([mine]):
+            if not store.check([mine]):
+                continue
+            theirs = json.loads(store.get(mine))
+        else:
+            now = f"{base}now/{rank}"
+            if not store.check([now]):
+                continue
+            theirs = json.loads(store.get(now))
+            if not theirs:
+                continue  # done agreeing
+            earlier = Where(**theirs["where"]).seq
+            if earlier < seq and store.check([f"{base}{earlier}/{dist.get_rank()}"]):
+                continue  # still on one this rank agreed on too: it has not seen that yet
         where = Where(**theirs["where"])
         if theirs["topic"] != topic or where.seq != seq:
             out.append(f"rank {rank}: {theirs['topic']} (before {where.describe()})")

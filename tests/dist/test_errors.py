@@ -781,7 +781,7 @@ def test_units_swapped_between_ranks_after_the_first_step_are_an_error_before_th
         # ran 'layers.1'; rank 0 ran 'layers.3' where the first step ran 'layers.2'.
         match=lambda m: "the ranks were about to issue different collectives" in m
         and "unit 'layers.2' ran as unit #3 of this forward, where the first step ran 'layers.1'" in m
-        and "unit 'layers.3' ran as unit #3 of this forward, where the first step ran 'layers.2'" in m
+        and "unit 'layers.3' ran as unit #4 of this forward, where the first step ran 'layers.2'" in m
         and "seeded alike on every rank" in m,
     )
 
