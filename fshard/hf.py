@@ -54,6 +54,8 @@ logger = logging.getLogger("fshard")
 # Where the Trainer's checkpoints keep the model and optimizer shards (fshard.checkpoint.save),
 # next to the Trainer's own scheduler / RNG / trainer_state files.
 CHECKPOINT_DIR = "fshard_checkpoint"
+# Set by `fshard launch --config_file F` to F.
+CONFIG_ENV = "FSHARD_CONFIG_FILE"
 
 
 def _require_dist(where: str) -> tuple[int, int]:
@@ -120,7 +122,9 @@ def from_pretrained(
     build the same architecture on the meta device and never hold more than their shards plus
     one parameter's rows in flight. The model is sharded either by ``config_file`` (anything
     ``fshard.load_config`` takes; applied with ``fshard.from_config``, its weights broadcast as
-    ``fsdp_cpu_ram_efficient_loading`` does) or else one unit per block class (``by_class``,
+    ``fsdp_cpu_ram_efficient_loading`` does; by default the file ``fshard launch --config_file``
+    names, unless any of ``mesh``, ``by_class``, ``mp_policy``, ``offload_policy`` is given) or
+    else one unit per block class (``by_class``,
     default: the model's ``_no_split_modules``, as accelerate's TRANSFORMER_BASED_WRAP) then
     the root, with ``mesh``, ``mp_policy``, ``offload_policy`` and ``reshard_after_forward``
     as ``fshard.fully_shard`` takes them. Tied weights stay tied. Calling ``save_pretrained``
@@ -134,6 +138,9 @@ def from_pretrained(
     """
     where = "fshard.hf.from_pretrained"
     rank, _ = _require_dist(where)
+    by_hand = (mesh, by_class, mp_policy, offload_policy)
+    if config_file is None and all(x is None for x in by_hand) and os.environ.get(CONFIG_ENV):
+        config_file = os.environ[CONFIG_ENV]  # fshard launch --config_file names it
     if config_file is not None and (
         mesh is not None
         or by_class is not None
@@ -396,7 +403,7 @@ def _trainer_config(args: Any, given: Any) -> fshard.FSDPConfig:
         if "mixed_precision" not in block and (args.bf16 or args.fp16):
             block["mixed_precision"] = "bf16" if args.bf16 else "fp16"
         return fshard.load_config(block)
-    if os.environ.get("FSHARD_CONFIG_FILE"):
+    if os.environ.get(CONFIG_ENV):
         return fshard.load_config(None)
     raise ValueError(
         "fshard.hf.Trainer needs an FSDP config: set fsdp=True and fsdp_config={...} in "
@@ -461,7 +468,14 @@ class Trainer(transformers.Trainer):
                 "fshard.hf.Trainer needs model= and args= (model_init is not supported)"
             )
         _ = args.device  # sets up the process group (accelerate's PartialState) under torchrun
-        _require_dist("fshard.hf.Trainer")
+        _, world = _require_dist("fshard.hf.Trainer")
+        if world > 1 and args.parallel_mode != transformers.training_args.ParallelMode.DISTRIBUTED:
+            # Each rank would train on the whole data set and log and save as rank 0.
+            raise ValueError(
+                f"fshard.hf.Trainer: the job has {world} ranks but TrainingArguments run "
+                f"{args.parallel_mode.name}, not DISTRIBUTED; without CUDA, transformers runs "
+                "distributed only with TrainingArguments(use_cpu=True)"
+            )
         if any(fshard.is_sharded(p) for p in model.parameters()):
             self.fshard_config = fshard.config_of(model) or fshard.load_config({})
         else:

@@ -130,3 +130,30 @@ def test_a_save_steps_checkpoint_written_at_world_4_resumes_at_world_2(model_dir
         plain.model.layers[1].mlp.down_proj.weight, start.model.layers[1].mlp.down_proj.weight
     )
     assert plain.lm_head.weight is plain.model.embed_tokens.weight
+
+
+def test_the_example_trains_under_fshard_launch_with_the_guide_config(tmp_path) -> None:
+    """examples/hf_trainer.py as the README runs it: the guide's config (LlamaDecoderLayer
+    units, CPU offload, bf16), the Trainer's logs on rank 0 only, checkpoints and a saved model
+    that a plain model loads with the Trainer's evaluation loss."""
+    launcher = Path(sys.executable).with_name("fshard")
+    command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "fshard"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("FSHARD_CONFIG_FILE", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [*command, "launch", "--config_file", "examples/hf_trainer.yaml", "examples/hf_trainer.py",
+         "--output-dir", str(tmp_path), "--steps", "15"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    out = result.stdout
+    assert "units ['(root)', 'model.layers.0', 'model.layers.1']" in out, out
+    losses = [float(line.split("'loss': '")[1].split("'")[0]) for line in out.splitlines() if "'loss': '" in line]
+    assert len(losses) == 3 and losses[-1] < losses[0], out  # logging_steps=5, on rank 0 only
+    assert sorted(os.listdir(tmp_path / "checkpoint-15")) == [
+        "fshard_checkpoint", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json",
+    ]  # fmt: skip  # SHARDED_STATE_DICT: the model is in fshard_checkpoint/ only
+    line = next(line for line in out.splitlines() if line.startswith("eval loss: "))
+    trainer_loss, plain_loss = (float(part.split()[-1]) for part in line.split(","))
+    assert plain_loss == pytest.approx(trainer_loss, abs=0.02)  # bf16 vs fp32 forward
