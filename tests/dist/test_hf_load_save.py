@@ -19,6 +19,14 @@ pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[hf
 WORLD = 2
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """One pool for the tests below (the memory test starts its own: a fresh process)."""
+    ranks = RankPool(WORLD, timeout=180)
+    yield ranks
+    ranks.close()
+
+
 def _llama_config(**overrides):
     values = dict(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -94,12 +102,8 @@ def _round_trip_worker(root: str, config_file: dict | None) -> dict:
 @pytest.mark.parametrize(
     "config_file", [None, {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}]
 )
-def test_from_pretrained_then_save_pretrained_round_trip(tmp_path, config_file) -> None:
-    pool = RankPool(WORLD, timeout=180)
-    try:
-        results = pool.run(_round_trip_worker, str(tmp_path), config_file)
-    finally:
-        pool.close()
+def test_from_pretrained_then_save_pretrained_round_trip(pool, tmp_path, config_file) -> None:
+    results = pool.run(_round_trip_worker, str(tmp_path), config_file)
     r0 = results[0]
     for r in results:
         assert r["tied"] and not r["meta"]
@@ -139,12 +143,8 @@ def _one_rank_save_worker(root: str) -> tuple[str | None, bool]:
     return error, os.path.exists(out)
 
 
-def test_save_pretrained_on_one_rank_is_an_fshard_error_and_writes_nothing(tmp_path) -> None:
-    pool = RankPool(WORLD, timeout=180)
-    try:
-        results = pool.run(_one_rank_save_worker, str(tmp_path))
-    finally:
-        pool.close()
+def test_save_pretrained_on_one_rank_is_an_fshard_error_and_writes_nothing(pool, tmp_path) -> None:
+    results = pool.run(_one_rank_save_worker, str(tmp_path))
     (error, written), (other, _) = results
     assert error is not None and other is None
     assert "fshard.hf.save_pretrained(model, path) on every rank" in error, error
@@ -198,11 +198,11 @@ def _memory_worker(root: str) -> dict:
 
 @pytest.mark.slow
 def test_ranks_other_than_0_stay_near_their_shards_while_loading(tmp_path) -> None:
-    pool = RankPool(WORLD, timeout=300)
+    fresh = RankPool(WORLD, timeout=300)
     try:
-        results = pool.run(_memory_worker, str(tmp_path))
+        results = fresh.run(_memory_worker, str(tmp_path))
     finally:
-        pool.close()
+        fresh.close()
     mb = 2**20
     for rank, r in enumerate(results):
         print(
