@@ -138,6 +138,8 @@ def main() -> None:
             f"plain model from {final} (fp32) {loss:.4f}"
         )
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

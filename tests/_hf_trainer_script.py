@@ -117,6 +117,8 @@ def main() -> None:
                 )
         print("EVAL " + json.dumps({"eval_loss": metrics["eval_loss"]}), flush=True)
         print("DONE", flush=True)
+    # An exit with the process group still up can abort in gloo's threads (std::terminate).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
