@@ -395,7 +395,9 @@ def _refuse_save_pretrained(cls_name: str, *args: Any, **kwargs: Any) -> None:
 # cost of one reduce-scatter per micro-batch.
 
 
-def _trainer_config(args: Any, given: Any) -> fshard.FSDPConfig:
+def _trainer_config(args: Any, given: Any, *, required: bool = True) -> fshard.FSDPConfig | None:
+    """The FSDP config the Trainer applies (see ``Trainer``); ``None`` if there is none and
+    ``required`` is false."""
     if given is not None:
         return fshard.load_config(given)
     if getattr(args, "fsdp", None):
@@ -405,6 +407,8 @@ def _trainer_config(args: Any, given: Any) -> fshard.FSDPConfig:
         return fshard.load_config(block)
     if os.environ.get(CONFIG_ENV):
         return fshard.load_config(None)
+    if not required:
+        return None
     raise ValueError(
         "fshard.hf.Trainer needs an FSDP config: set fsdp=True and fsdp_config={...} in "
         "TrainingArguments, start the script with `fshard launch --config_file fsdp.yaml`, or "
@@ -441,7 +445,8 @@ class Trainer(transformers.Trainer):
     fsdp_config={...})`` (the Trainer's own keys; ``bf16``/``fp16`` give mixed precision), or
     the accelerate config file of ``fshard launch --config_file``. A model not sharded yet is
     sharded with ``fshard.from_config``; one from ``fshard.hf.from_pretrained`` is used as it
-    is. The loop is the Trainer's: gradient accumulation, ``max_grad_norm`` clipping (by the
+    is (then the config, its own or one of the above, says only how checkpoints are written). It
+    needs a distributed run (``TrainingArguments(use_cpu=True)`` without CUDA). The loop is the Trainer's: gradient accumulation, ``max_grad_norm`` clipping (by the
     full gradient's norm, ``fshard.clip_grad_norm_``), logging, evaluation, callbacks.
     ``save_model`` writes with ``fshard.hf.save_pretrained``; ``save_steps`` checkpoints hold
     the model and optimizer shards (``fshard.checkpoint``, in ``fshard_checkpoint/``) with the
@@ -476,10 +481,14 @@ class Trainer(transformers.Trainer):
                 f"{args.parallel_mode.name}, not DISTRIBUTED; without CUDA, transformers runs "
                 "distributed only with TrainingArguments(use_cpu=True)"
             )
+        self.fshard_config: fshard.FSDPConfig
+        cfg: fshard.FSDPConfig | None
         if any(fshard.is_sharded(p) for p in model.parameters()):
-            self.fshard_config = fshard.config_of(model) or fshard.load_config({})
+            # Sharded already: the config only says how checkpoints are written.
+            cfg = fshard.config_of(model) or _trainer_config(args, fshard_config, required=False)
+            self.fshard_config = cfg or fshard.load_config({})
         else:
-            self.fshard_config = _trainer_config(args, fshard_config)
+            self.fshard_config = fshard.load_config(_trainer_config(args, fshard_config))
             fshard.from_config(model, self.fshard_config)
         guard_save_pretrained(model)
         super().__init__(model, args, *rest, **kwargs)
