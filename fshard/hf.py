@@ -476,10 +476,14 @@ class Trainer(transformers.Trainer):
         _, world = _require_dist("fshard.hf.Trainer")
         if world > 1 and args.parallel_mode != transformers.training_args.ParallelMode.DISTRIBUTED:
             # Each rank would train on the whole data set and log and save as rank 0.
+            if "LOCAL_RANK" not in os.environ:
+                fix = "start the script with fshard launch or torchrun (which set LOCAL_RANK)"
+            else:
+                fix = "without CUDA, pass TrainingArguments(use_cpu=True)"
             raise ValueError(
                 f"fshard.hf.Trainer: the job has {world} ranks but TrainingArguments run "
-                f"{args.parallel_mode.name}, not DISTRIBUTED; without CUDA, transformers runs "
-                "distributed only with TrainingArguments(use_cpu=True)"
+                f"{args.parallel_mode.name}, not DISTRIBUTED (every rank would train on all the "
+                f"data and save as rank 0); transformers runs distributed only when {fix}"
             )
         self.fshard_config: fshard.FSDPConfig
         cfg: fshard.FSDPConfig | None

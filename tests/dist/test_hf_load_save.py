@@ -1,4 +1,5 @@
-"""fshard.hf: from_pretrained (weights on rank 0, meta elsewhere) and save_pretrained, on 2 ranks."""
+"""fshard.hf: from_pretrained (weights on rank 0, meta elsewhere), save_pretrained, and the
+Trainer's refusal of a job transformers does not run distributed; on 2 ranks."""
 
 from __future__ import annotations
 
@@ -150,6 +151,24 @@ def test_save_pretrained_on_one_rank_is_an_fshard_error_and_writes_nothing(pool,
     assert "fshard.hf.save_pretrained(model, path) on every rank" in error, error
     assert "LlamaForCausalLM.save_pretrained cannot save a model sharded by fshard" in error
     assert not written  # not even config.json
+
+
+def _not_distributed_worker(root: str) -> str:
+    import fshard.hf
+
+    # The pool's ranks are not started by torchrun: transformers sees no LOCAL_RANK and runs
+    # NOT_PARALLEL, every rank on all the data.
+    args = transformers.TrainingArguments(output_dir=root, use_cpu=True, report_to=[])
+    model = transformers.LlamaForCausalLM(_llama_config())
+    with pytest.raises(ValueError) as info:
+        fshard.hf.Trainer(model=model, args=args)
+    return str(info.value)
+
+
+def test_the_trainer_refuses_a_job_that_transformers_does_not_run_distributed(pool, tmp_path) -> None:
+    for message in pool.run(_not_distributed_worker, str(tmp_path)):
+        assert "the job has 2 ranks but TrainingArguments run NOT_PARALLEL" in message, message
+        assert "start the script with fshard launch or torchrun" in message, message
 
 
 def _peak_rss_growth(fn) -> tuple[int, object]:
