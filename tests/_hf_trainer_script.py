@@ -1,7 +1,9 @@
 """A user's transformers Trainer script, run by tests/test_hf_trainer.py under torchrun.
 
 ``--mode ddp`` is the plain script (``transformers.Trainer``: DDP under torchrun); ``--mode
-fshard`` changes the one import to ``fshard.hf.Trainer`` and adds an ``fsdp_config``. Rank 0
+fshard`` changes the one import to ``fshard.hf.Trainer`` and adds an ``fsdp_config``;
+``--mode fshard-file`` changes only the import (the config is the file $FSHARD_CONFIG_FILE
+names, as ``fshard launch --config_file`` sets it). Rank 0
 prints one ``LOG {json}`` line per logged step (loss, grad_norm) and ``SAVED``/``DONE`` lines.
 """
 
@@ -47,7 +49,12 @@ def pretrained_dir(path: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["fshard", "ddp"], required=True)
+    parser.add_argument(
+        "--mode",
+        choices=["fshard", "fshard-file", "ddp"],
+        required=True,
+        help="fshard-file: no fsdp in TrainingArguments, the config file of $FSHARD_CONFIG_FILE",
+    )
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
@@ -60,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.mode == "fshard":
+    if args.mode.startswith("fshard"):
         from fshard.hf import Trainer  # the one changed line
     else:
         Trainer = HFTrainer

@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_hf_trainer_script.py"
 
 
-def run_script(nproc: int, *args: str, timeout: float = 300) -> dict:
+def run_script(nproc: int, *args: str, config_file: Path | None = None, timeout: float = 300) -> dict:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env.pop("FSHARD_CONFIG_FILE", None)
+    if config_file is not None:
+        env["FSHARD_CONFIG_FILE"] = str(config_file)  # as `fshard launch --config_file` sets it
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = [
         sys.executable,
@@ -81,22 +83,32 @@ def test_trainer_on_fshard_gives_the_losses_of_the_trainer_on_ddp(model_dir, tmp
 
 
 def test_a_save_steps_checkpoint_written_at_world_4_resumes_at_world_2(model_dir, tmp_path) -> None:
+    """Configured by an accelerate config file ($FSHARD_CONFIG_FILE) this time."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(
+        "distributed_type: FSDP\n"
+        "fsdp_config:\n"
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+        "  fsdp_state_dict_type: FULL_STATE_DICT\n"
+    )
     first = tmp_path / "world4"
     full = run_script(
         4,
         "--mode",
-        "fshard",
+        "fshard-file",
         "--model-dir",
         model_dir,
         "--output-dir",
         str(first),
         "--save-steps",
         "5",
+        config_file=config,
     )
     checkpoint = first / "checkpoint-5"
     names = set(os.listdir(checkpoint))
-    # fshard's shards of model and optimizer, beside the Trainer's own files (the Trainer's
-    # fsdp_config defaults to FULL_STATE_DICT, so the full weights are there too).
+    # fshard's shards of model and optimizer, beside the Trainer's own files (and the full
+    # weights too: fsdp_state_dict_type is FULL_STATE_DICT).
     assert {
         "fshard_checkpoint",
         "scheduler.pt",
@@ -109,8 +121,8 @@ def test_a_save_steps_checkpoint_written_at_world_4_resumes_at_world_2(model_dir
 
     final = tmp_path / "final"
     resumed = run_script(
-        2, "--mode", "fshard", "--model-dir", model_dir, "--output-dir", str(tmp_path / "world2"),
-        "--resume", str(checkpoint), "--save-model", str(final),
+        2, "--mode", "fshard-file", "--model-dir", model_dir, "--output-dir", str(tmp_path / "world2"),
+        "--resume", str(checkpoint), "--save-model", str(final), config_file=config,
     )  # fmt: skip
     # Steps 6..10 at world 2 repeat the uninterrupted run's: the model, the Adam moments, the
     # scheduler and the data position were restored (step 7 on needs the moments).
