@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import fshard
 from fshard import _collectives
@@ -106,7 +107,7 @@ def from_pretrained(
     model_cls: Any,
     path: str | os.PathLike[str],
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     config_file: Mapping[str, Any] | str | os.PathLike[str] | fshard.FSDPConfig | None = None,
     by_class: Iterable[type[nn.Module] | str] | None = None,
     mp_policy: fshard.MixedPrecision | None = None,
@@ -151,6 +152,8 @@ def from_pretrained(
             f"{where}: config_file sets the mesh, the units, mixed precision and offload; pass "
             "either config_file or mesh / by_class / mp_policy / offload_policy, not both"
         )
+    # Read before rank 0 spends time loading: a bad file fails at once, on every rank.
+    cfg = None if config_file is None else fshard.load_config(config_file)
     model: nn.Module | None = None
     blueprint: _Blueprint | None = None
     error: str | None = None
@@ -164,8 +167,7 @@ def from_pretrained(
     blueprint = _collectives.broadcast_objects(blueprint, 0, None, label=f"{where}: blueprint")
     if model is None:
         model = _build_on_meta(blueprint)
-    if config_file is not None:
-        cfg = fshard.load_config(config_file)
+    if cfg is not None:
         if not cfg.syncs_module_states:  # the other ranks have no weights: rank 0's are sent
             cfg = dataclasses.replace(cfg, cpu_ram_efficient_loading=True)
         fshard.from_config(model, cfg)  # shards, then broadcasts rank 0's weights
