@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1000)
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="BERT's hidden and attention dropout (0 makes runs comparable step by step)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint here at the end")
@@ -73,6 +75,8 @@ def build_model(args: argparse.Namespace) -> BertForSequenceClassification:
         intermediate_size=4 * args.hidden,
         max_position_embeddings=max(64, args.seq_len),
         num_labels=2,
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout,
     )
     torch.manual_seed(args.seed)  # the same random weights everywhere (rank 0's win anyway)
     return BertForSequenceClassification(bert_config)

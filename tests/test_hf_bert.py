@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "accelerate_config.yaml"
-MODEL_ARGS = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
+# Without dropout, so that a run can be compared step by step with a one-process reference.
+MODEL_ARGS = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--dropout", "0"]
 # The sample config on 2 ranks: FULL_SHARD is a 1D mesh of 2 with reshard_after_forward=True;
 # bf16 computes and reduces in bf16, and the root returns fp32 (as accelerate's model does).
 UNIT_SETTINGS = "mesh 2, reshard_after_forward=True, offload=True, mixed precision: param bfloat16, reduce bfloat16"
@@ -49,7 +50,7 @@ def load_example() -> ModuleType:
     return module
 
 
-def launch(config: Path, save: Path) -> str:
+def launch(config: Path, save: Path, steps: int = 1) -> str:
     launcher = Path(sys.executable).with_name("fshard")
     command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "fshard"]
     env = dict(os.environ)
@@ -58,7 +59,7 @@ def launch(config: Path, save: Path) -> str:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [*command, "launch", "--config_file", str(config), "examples/hf_bert.py",
-         "--steps", "1", "--batch-size", "4", *MODEL_ARGS, "--save", str(save)],
+         "--steps", str(steps), "--batch-size", "4", *MODEL_ARGS, "--save", str(save)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -104,8 +105,48 @@ def test_the_sharded_model_has_a_unit_per_bert_layer_and_the_root(runs, example,
         assert units[fqn] == ("BertLayer", f"{UNIT_SETTINGS}, output -")
     loss = re.search(r"step 1/1  loss (\S+)", out)
     assert loss is not None, out
-    assert 0.0 < float(loss.group(1)) < 5.0  # a finite two-class cross-entropy
+    # The sharded model's first loss is the unsharded model's (one process, the same weights and
+    # each rank's batch) computed in bf16, as mixed_precision: bf16 asks.
+    args = example.parse_args([*MODEL_ARGS, "--batch-size", "4"])
+    model = example.build_model(args).to(torch.bfloat16)
+    with torch.no_grad():
+        losses = [model(**example.make_batch(args, 0, rank, torch.device("cpu"))).loss for rank in (0, 1)]
+    reference = float(torch.stack(losses).float().mean())
+    assert float(loss.group(1)) == pytest.approx(reference, abs=1e-4), (loss.group(1), reference)
     assert "done: 1 steps" in out
+
+
+def one_process_losses(example: ModuleType, steps: int, world: int = 2) -> list[float]:
+    """The example's training, in one process of the plain model in fp32: each step's loss is
+    the mean over the ``world`` ranks' batches (their mean gradient is what the ranks apply)."""
+    args = example.parse_args([*MODEL_ARGS, "--batch-size", "4"])
+    model = example.build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for step in range(steps):
+        batches = [example.make_batch(args, step, rank, torch.device("cpu")) for rank in range(world)]
+        loss = torch.stack([model(**batch).loss for batch in batches]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_sharded_run_trains_as_one_process_does_in_fp32(example, tmp_path) -> None:
+    """The sample config less mixed precision (offload kept): three steps, each loss equal to the
+    one-process reference's to the printed precision (clipping and the optimizer included)."""
+    config = tmp_path / "fp32.yaml"
+    data = yaml.safe_load(SAMPLE.read_text())
+    data["mixed_precision"] = "no"
+    config.write_text(yaml.safe_dump(data))
+    out = launch(config, tmp_path / "ckpt", steps=3)
+    printed = [float(x) for x in re.findall(r"step \d/3  loss (\S+)", out)]
+    reference = one_process_losses(example, steps=3)
+    assert len(printed) == 3, out
+    assert printed == pytest.approx(reference, abs=2e-4), (printed, reference)
+    assert printed[2] != pytest.approx(printed[0], abs=1e-3)  # the steps did change the model
 
 
 def test_both_checkpoints_load_back_into_a_fresh_model_and_agree(runs, example) -> None:

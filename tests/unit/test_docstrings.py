@@ -10,6 +10,7 @@ from __future__ import annotations
 import doctest
 import functools
 import importlib
+import importlib.util
 import io
 import pkgutil
 import re
@@ -30,6 +31,8 @@ PUBLIC_MODULES = [
     "fshard.testing.strategies",
     "fshard.testing.models",
 ]
+if importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate"):
+    PUBLIC_MODULES.append("fshard.hf")  # the hf extra (make test installs it)
 
 DOCTEST_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -65,6 +68,8 @@ def _package_modules() -> list[str]:
     for info in pkgutil.walk_packages(fshard.__path__, prefix=f"{fshard.__name__}."):
         if info.name.rpartition(".")[2] == "__main__":
             continue  # `python -m fshard`: importing it runs the CLI and exits
+        if info.name == "fshard.hf" and "fshard.hf" not in PUBLIC_MODULES:
+            continue  # needs the hf extra
         names.append(info.name)
     return names
 
