@@ -235,20 +235,9 @@ def _block_policy(model: nn.Module, classes: Iterable[type[nn.Module] | str] | N
 
 
 def _load_from_rank0(model: nn.Module, rank0_state: Mapping[str, torch.Tensor]) -> None:
-    """Rank 0's weights into every rank's shards (see [Note: loading on rank 0 only])."""
-    # Until fshard.load_state_dict fills meta parameters itself, give them storage first (their
-    # shards only), running no initialiser: every value is overwritten by the load.
-    _allocate_shards(model)
+    """Rank 0's weights into every rank's shards (see [Note: loading on rank 0 only]): the
+    load gives the meta ranks' shards storage itself, running no initialiser."""
     fshard.load_state_dict(model, rank0_state, broadcast_from_rank0=True)
-
-
-def _allocate_shards(model: nn.Module) -> None:
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        fshard.materialize(model, init_fn=_no_init)
-
-
-def _no_init(_module: nn.Module) -> None:
-    """``fshard.materialize``'s initialiser when every value is loaded right after."""
 
 
 # ------------------------------------------------------------------------------------- saving
