@@ -30,6 +30,7 @@ from fshard._api import (
 )
 from fshard._config import FSDPConfig, config_of, from_config, load_config
 from fshard._errors import CollectiveError, RankMismatchError
+from fshard._estimate import Estimate, UnitEstimate, estimate
 from fshard._init import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
 from fshard._sharded import ShardedParameter, is_sharded
@@ -96,6 +97,10 @@ __all__ = [
     "load_config",
     "config_of",
     "FSDPConfig",
+    # planning
+    "estimate",
+    "Estimate",
+    "UnitEstimate",
     # errors
     "RankMismatchError",
     "CollectiveError",
