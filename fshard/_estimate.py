@@ -32,26 +32,20 @@ for the headroom.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import json
 import math
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
-from fshard._config import load_config
-from fshard._memtrack import LiveBytes
 from fshard._options import CPUOffload, MixedPrecision
 from fshard._placement import shard_layout
+from fshard._replay import Replay, UnitBytes, default_loss, fake_step, synthetic_step
 from fshard._wrap import ByClass, Policy, WrapPolicy, by_class, select_modules
 
-__all__ = ["Estimate", "UnitEstimate", "estimate", "load_model", "ModelSource"]
+__all__ = ["Estimate", "UnitEstimate", "estimate"]
 
 _OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 _MP_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,26 +196,6 @@ def _zero_bytes_per_param(optimizer: str) -> int:
 # ------------------------------------------------------------------------------- the layout
 
 
-class _Unit(NamedTuple):
-    """One unit's byte counts on one rank (see [Note: what the estimate models])."""
-
-    name: str
-    module: nn.Module
-    params: list[nn.Parameter]
-    numel: int
-    shard_bytes: dict[torch.dtype, int]  # flat shards, by storage dtype
-    unsharded: int  # unsharded buffers (0: aliased to the shard)
-    ag_out: int  # all-gather output
-    ag_in: int  # a cast or host-to-device copy of the flat shard sent to the all-gather
-    grads: int  # unsharded grads (compute dtype, full shapes)
-    reduce_in: int
-    reduce_out: int  # separate from reduce_in (shard group > 1)
-    sharded_grads: dict[torch.dtype, int]  # what the .grads view, persistent
-    sharded_grads_separate: bool  # a cast copy of the reduce output (else its storage)
-    optim_by_rank: list[dict[torch.dtype, int]]
-    optim_largest_param: list[int]  # per rank: bytes of the largest local shard with grad
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -235,7 +209,7 @@ def _units(
     mp: MixedPrecision | None,
     offload: bool,
     optimizer: str,
-) -> list[_Unit]:
+) -> list[UnitBytes]:
     """The root first, then the policy's units in ``fully_shard`` order."""
     owner: dict[int, int] = {}  # id(param) -> index in modules (0 = root)
     modules = [model, *(model.get_submodule(f) for f in fqns)]
@@ -271,7 +245,7 @@ def _unit_bytes(
     mp: MixedPrecision | None,
     offload: bool,
     optimizer: str,
-) -> _Unit:
+) -> UnitBytes:
     buckets: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         buckets.setdefault(p.dtype, []).append(p)
@@ -321,7 +295,7 @@ def _unit_bytes(
                     got[dtype] = got.get(dtype, 0) + state_tensors * local
                     if optimizer in ("adamw", "adam"):
                         got[torch.float32] = got.get(torch.float32, 0) + 4  # the step count
-    return _Unit(
+    return UnitBytes(
         name, module, params, sum(p.numel() for p in params), shard_bytes, unsharded, ag_out,
         ag_in, grads, reduce_in, reduce_out, sharded_grads, separate, optim, largest,
     )
@@ -329,327 +303,6 @@ def _unit_bytes(
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-# ----------------------------------------------------------------------------- the replay
-
-
-class _Replay:
-    """fshard's step, event by event, over a ledger of the bytes fshard holds besides the
-    persistent ones and what the fake-tensor run holds (see [Note: what the estimate models])."""
-
-    def __init__(
-        self, units: list[_Unit], base: int, *, offload: bool, reshard: bool, virtual_grads: bool
-    ) -> None:
-        self.units = units
-        # The prefetch plans: forward in fully_shard order after the root; backward in the
-        # reverse of the order the forwards finish (the root last).
-        self.forward_order_hint = units
-        self.finish_order_hint = [*units[1:], units[0]]
-        self.root = units[0]
-        self.base = base
-        self.offload = offload
-        self.reshard = reshard
-        self.virtual_grads = virtual_grads  # no fake run: the unsharded grads are ours to count
-        self.ledger = 0
-        self.peak = 0
-        self.phase = "forward"
-        self.peak_phase = "forward"
-        self.gathered: set[str] = set()
-        self.in_flight: dict[str, int] = {}  # all-gathers issued, not waited for
-        self.pending: list[_Unit] = []  # reduce-scatters issued, not finished
-        self.done: set[str] = set()
-        self.forward_order: list[_Unit] = []
-        self.finish_order: list[_Unit] = []
-        self.activation_peak = 0
-
-    def point(self, activations: int) -> None:
-        self.activation_peak = max(self.activation_peak, activations)
-        now = self.base + self.ledger + activations
-        if now > self.peak:
-            self.peak, self.peak_phase = now, self.phase
-
-    def _issue_gather(self, unit: _Unit) -> None:
-        if unit.name in self.gathered or unit.name in self.in_flight:
-            return
-        self.in_flight[unit.name] = unit.ag_out + unit.ag_in
-        self.ledger += unit.ag_out + unit.ag_in
-
-    def _wait_gather(self, unit: _Unit, activations: int) -> None:
-        if unit.name in self.gathered:
-            return
-        self._issue_gather(unit)
-        self.ledger += unit.unsharded
-        self.point(activations)  # the output is copied out into the unsharded buffer
-        self.ledger -= self.in_flight.pop(unit.name)
-        self.gathered.add(unit.name)
-
-    def _free(self, unit: _Unit) -> None:
-        if unit.name in self.gathered:
-            self.gathered.discard(unit.name)
-            self.ledger -= unit.unsharded
-
-    # events: each gets the fake run's peak since the previous event and its bytes now
-    def pre_forward(self, unit: _Unit, span: int, activations: int) -> None:
-        self.point(span)
-        if unit not in self.forward_order:
-            self.forward_order.append(unit)
-        self._wait_gather(unit, activations)
-        following = self._next(self.forward_order_hint, unit)
-        if following is not None:
-            self._issue_gather(following)
-        self.point(activations)
-
-    def post_forward(self, unit: _Unit, span: int, activations: int) -> None:
-        self.point(span)
-        if unit not in self.finish_order:
-            self.finish_order.append(unit)
-        if unit is not self.root and self.reshard:
-            self._free(unit)
-        self.point(activations)
-
-    def pre_backward(self, unit: _Unit, span: int, activations: int) -> None:
-        self.phase = "backward"
-        self.point(span)
-        if unit.name in self.done:
-            return
-        self._wait_gather(unit, activations)
-        if self.virtual_grads:
-            self.ledger += unit.grads
-        backward = list(reversed(self.finish_order_hint))
-        following = self._next(backward, unit)
-        if following is not None:
-            self._issue_gather(following)
-        self.point(activations)
-
-    def post_backward(self, unit: _Unit, span: int, activations: int, drop_grads: Callable[[], int]) -> None:
-        """The unit's backward is done: free, reduce (``drop_grads`` frees the fake run's
-        unsharded grads and returns the bytes it now holds)."""
-        self.phase = "backward"
-        self.point(span)
-        if unit.name in self.done:
-            return
-        self.done.add(unit.name)
-        self._free(unit)
-        # The reduce-scatter's input and output are made before the unsharded grads go.
-        self.ledger += unit.reduce_in + unit.reduce_out
-        self.point(activations)
-        if self.virtual_grads:
-            self.ledger -= unit.grads
-        activations = drop_grads()
-        self._finish_pending()
-        self.pending.append(unit)
-        self.point(activations)
-
-    def _finish_pending(self) -> None:
-        for unit in self.pending:
-            self.ledger -= unit.reduce_in if unit.reduce_out else 0
-            kept = unit.reduce_out or unit.reduce_in  # the storage the .grads would view
-            if unit.sharded_grads_separate:
-                self.ledger -= kept
-                if not self.offload:
-                    self.ledger += sum(unit.sharded_grads.values())
-        self.pending = []
-
-    def end_backward(
-        self, span: int, activations: int, drop_for: Callable[[_Unit], Callable[[], int]]
-    ) -> None:
-        """The root's end-of-backward callback: the root, and any unit the backward did not
-        reach, are freed and reduced."""
-        for unit in reversed(self.finish_order_hint):
-            if unit.name not in self.done:
-                drop = drop_for(unit)
-                self.post_backward(unit, span, activations, drop)
-                span = activations = drop()
-        self._finish_pending()
-        self.point(span)
-
-    @staticmethod
-    def _next(order: list[_Unit], unit: _Unit) -> _Unit | None:
-        for i, u in enumerate(order[:-1]):
-            if u is unit:
-                return order[i + 1]
-        return None
-
-
-def _synthetic_step(replay: _Replay) -> None:
-    """The event sequence without a batch: units run in ``fully_shard`` order inside the root,
-    the backward in reverse; no activations."""
-    root, others = replay.root, replay.units[1:]
-
-    def none() -> int:
-        return 0  # no fake run: nothing to free
-
-    replay.pre_forward(root, 0, 0)
-    for unit in others:
-        replay.pre_forward(unit, 0, 0)
-        replay.post_forward(unit, 0, 0)
-    replay.post_forward(root, 0, 0)
-    replay.pre_backward(root, 0, 0)
-    for unit in reversed(others):
-        replay.pre_backward(unit, 0, 0)
-        replay.post_backward(unit, 0, 0, none)
-    replay.end_backward(0, 0, lambda unit: none)
-
-
-# ------------------------------------------------------------------------- the fake-tensor run
-
-
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Run ``model`` on ``batch`` (a tuple of arguments, a dict of keyword arguments, or one
-    tensor) and make a scalar of the output: its ``loss`` if it has one (Transformers with
-    labels), else the sum of its first tensor."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    first = next(t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple()) if isinstance(t, torch.Tensor))
-    return first if first.ndim == 0 else first.sum()
-
-
-@contextmanager
-def _fake_parameters(
-    model: nn.Module, fake_mode: Any, mp: MixedPrecision | None
-) -> Iterator[dict[int, nn.Parameter]]:
-    """Swap every parameter and buffer of ``model`` for a fake CPU tensor (parameters in the
-    compute dtype), and put the originals back after. Yields original id -> fake parameter."""
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    made: dict[int, Any] = {}
-    with fake_mode:
-        for module in model.modules():
-            for table, is_param in ((module._parameters, True), (module._buffers, False)):
-                for name, value in list(table.items()):
-                    if value is None:
-                        continue
-                    fake = made.get(id(value))
-                    if fake is None:
-                        dtype = value.dtype
-                        if is_param and mp is not None and mp.param_dtype is not None and dtype.is_floating_point:
-                            dtype = mp.param_dtype
-                        fake = torch.empty(value.shape, dtype=dtype, device="cpu")
-                        if is_param:
-                            fake = nn.Parameter(fake, requires_grad=value.requires_grad)
-                        made[id(value)] = fake
-                    swapped.append((table, name, value))
-                    table[name] = fake
-    try:
-        yield made
-    finally:
-        for table, name, value in reversed(swapped):
-            table[name] = value
-
-
-class _InputsGradReady(torch.autograd.Function):
-    """Identity on a unit's input; its backward says the input's gradient is computed, the
-    moment fshard frees and reduces the unit (see [Note: when a unit's backward is done])."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.callback()
-        return grad, None
-
-
-def _fake_step(
-    model: nn.Module,
-    units: list[_Unit],
-    replay: _Replay,
-    batch_fn: Callable[[], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    mp: MixedPrecision | None,
-) -> None:
-    """Forward and backward of one micro-batch under ``FakeTensorMode``, unit events fed to
-    ``replay`` from module and tensor hooks (the moments fshard's own hooks act)."""
-    from torch._subclasses import FakeTensorMode
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    live = LiveBytes()
-    handles: list[Any] = []
-    with _fake_parameters(model, fake_mode, mp) as fakes:
-
-        def drop_for(unit: _Unit) -> Callable[[], int]:
-            def drop() -> int:
-                for p in unit.params:
-                    fake = fakes.get(id(p))
-                    if fake is not None:
-                        fake.grad = None
-                return live.current
-
-            return drop
-
-        for unit in units:
-            handles.extend(_hook_unit(unit, replay, live, drop_for(unit)))
-        try:
-            model.train()
-            with fake_mode, live:
-                batch = batch_fn()
-                if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-                    dtype = mp.param_dtype
-                    batch = tree_map(
-                        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                        batch,
-                    )
-                live.reset_peak()
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
-                replay.end_backward(live.take_peak(), live.current, drop_for)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-def _hook_unit(unit: _Unit, replay: _Replay, live: LiveBytes, drop: Callable[[], int]) -> list[Any]:
-    """Forward pre/post hooks on the unit's module that feed ``replay`` its events."""
-    waiting = [0]
-
-    def input_grad_ready() -> None:
-        waiting[0] -= 1
-        if waiting[0] == 0:
-            replay.post_backward(unit, live.take_peak(), live.current, drop)
-
-    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-        replay.pre_forward(unit, live.take_peak(), live.current)
-        if unit is replay.root or not torch.is_grad_enabled():
-            return None
-        count = [0]
-
-        def mark(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                count[0] += 1
-                return _InputsGradReady.apply(t, input_grad_ready)
-            return t
-
-        args, kwargs = tree_map(mark, (args, kwargs))
-        waiting[0] = count[0]
-        return args, kwargs
-
-    def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        replay.post_forward(unit, live.take_peak(), live.current)
-        fired = [False]
-
-        def once(grad: torch.Tensor) -> None:
-            if not fired[0]:
-                fired[0] = True
-                replay.pre_backward(unit, live.take_peak(), live.current)
-
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(once)
-
-    return [
-        unit.module.register_forward_pre_hook(pre, with_kwargs=True),
-        unit.module.register_forward_hook(post, with_kwargs=True),
-    ]
 
 
 # ------------------------------------------------------------------------------ the API
@@ -733,14 +386,14 @@ def estimate(
     persistent = sharded + buffers
     base = buffers if offloaded else buffers + sum(params_by.values()) + sum(optim_by.values())
 
-    replay = _Replay(
+    replay = Replay(
         units, base, offload=offloaded, reshard=reshard_after_forward, virtual_grads=batch_fn is None
     )
     if batch_fn is None:
-        _synthetic_step(replay)
+        synthetic_step(replay)
         activations = None
     else:
-        _fake_step(model, units, replay, batch_fn, loss_fn or default_loss, mp_policy)
+        fake_step(model, units, replay, batch_fn, loss_fn or default_loss, mp_policy)
         activations = replay.activation_peak
     # The optimizer step: sharded grads all landed, plus its temporaries.
     step_peak = persistent if not offloaded else buffers
@@ -800,7 +453,7 @@ def estimate(
     return dataclasses.replace(estimate_, notes=tuple(notes))
 
 
-def _next_unit(units: list[_Unit], unit: _Unit) -> _Unit | None:
+def _next_unit(units: list[UnitBytes], unit: UnitBytes) -> UnitBytes | None:
     order = units[1:]
     for i, u in enumerate(order[:-1]):
         if u is unit:
@@ -882,7 +535,7 @@ def _with_units(policy: Policy | None, model: nn.Module, extra: list[str]) -> Po
 
 def _advice(
     e: Estimate,
-    units: list[_Unit],
+    units: list[UnitBytes],
     model: nn.Module,
     policy: Policy | None,
     fqns: list[str],
@@ -939,135 +592,3 @@ def _advice(
                 f"median unit: wrap its largest submodules as units of their own"
             ]
     return []
-
-
-# ---------------------------------------------------------------------- models by name
-
-
-class ModelSource(NamedTuple):
-    """A model named on the command line: how to build it, and defaults for it."""
-
-    factory: Callable[[], nn.Module]
-    name: str
-    policy: Policy | None
-    batch_fn: Callable[[], Any] | None
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
-
-
-def load_model(
-    spec: str, *, gpt: dict[str, int] | None = None, batch: int | None = None
-) -> ModelSource:
-    """Resolve ``fshard estimate``'s MODEL: ``gpt`` (fshard's test GPT with sizes ``gpt``),
-    ``pkg.module:factory``, or a Transformers ``config.json`` (or a directory holding one).
-
-    Example:
-        >>> from fshard._estimate import load_model
-        >>> load_model("gpt", gpt={"layers": 2}).name
-        'gpt (layers 2, dim 128, heads 4, seq 64, vocab 128)'
-    """
-    if spec == "gpt":
-        return _gpt_source(gpt or {}, batch)
-    path = spec
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if path.endswith(".json") or os.path.isfile(path):
-        return _transformers_source(path)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"MODEL must be 'gpt', pkg.module:factory or a Transformers config.json (or a "
-            f"directory with one), got {spec!r}"
-        )
-    try:
-        found: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"MODEL {spec!r}: cannot find {attr!r} in {module_name!r}: {exc}") from None
-    if not callable(found):
-        raise ValueError(f"MODEL {spec!r} is a {type(found).__name__}, not a callable returning a module")
-    return ModelSource(found, spec, None, None, None)
-
-
-def load_callable(spec: str, what: str) -> Callable[..., Any]:
-    """``pkg.module:name`` -> the callable it names (``--batch-fn``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise ValueError(f"{what} must be pkg.module:name, got {spec!r}")
-    try:
-        found: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{what} {spec!r}: {exc}") from None
-    if not callable(found):
-        raise ValueError(f"{what} {spec!r} is not callable")
-    return found  # type: ignore[no-any-return]  # checked callable above
-
-
-_GPT_DEFAULTS = {"layers": 4, "dim": 128, "heads": 4, "seq": 64, "vocab": 128}
-
-
-def _gpt_source(sizes: dict[str, int], batch: int | None) -> ModelSource:
-    from fshard.testing.models import Block, TinyTransformer, TransformerSpec
-
-    values = {**_GPT_DEFAULTS, **{k: v for k, v in sizes.items() if v is not None}}
-    spec = TransformerSpec(batch_size=batch or 8, **values)
-
-    def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, spec.vocab, (spec.batch_size, spec.seq + 1))
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch[0])
-        return nn.functional.cross_entropy(logits.float().reshape(-1, spec.vocab), batch[1].reshape(-1))
-
-    name = "gpt (" + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
-    return ModelSource(lambda: TinyTransformer(spec), name, by_class(Block), batch_fn, loss_fn)
-
-
-def _transformers_source(path: str) -> ModelSource:
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"MODEL {path!r} is a Transformers config, which needs the transformers package: "
-            "pip install 'fshard[hf]'"
-        ) from None
-    if not os.path.isfile(path):
-        raise ValueError(f"MODEL {path!r}: no such file")
-    config = transformers.AutoConfig.from_pretrained(path)
-
-    def factory() -> nn.Module:
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
-            try:
-                model: nn.Module = auto.from_config(config)
-            except ValueError:
-                continue
-            return model
-        raise ValueError(f"MODEL {path!r}: no Transformers model class for {type(config).__name__}")
-
-    return ModelSource(factory, f"{type(config).__name__.removesuffix('Config')} ({os.path.basename(os.path.dirname(os.path.abspath(path))) or path})", None, None, None)
-
-
-def load_policy(model: nn.Module, *, by_class_names: list[str] | None, min_params: int | None, config_file: str | None) -> tuple[Policy | None, dict[str, Any]]:
-    """The policy (and, from a config file, ``mp``/``offload``/``reshard_after_forward``) the
-    command line names."""
-    from fshard._wrap import by_size
-
-    if by_class_names:
-        return by_class(*by_class_names), {}
-    if min_params is not None:
-        return by_size(min_params), {}
-    if config_file is not None:
-        cfg = load_config(config_file)
-        extra: dict[str, Any] = {"mp": cfg.mp_policy, "offload": cfg.offload_params}
-        extra["reshard_after_forward"] = cfg.sharding_strategy.name in ("FULL_SHARD", "HYBRID_SHARD")
-        return cfg.wrap_policy(model), extra
-    return None, {}
-
-
-def write_json(e: Estimate, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(e.to_dict(), f, indent=2)
-        f.write("\n")

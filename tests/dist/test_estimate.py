@@ -117,7 +117,7 @@ def _measure_worker(name: str, mesh_shape: tuple[int, ...], mp: str | None) -> i
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen_state = torch.random.get_rng_state()
     peak = 0
-    for step in range(3):  # the first records the order (prefetch from the second) and makes state
+    for _ in range(3):  # the first records the order (prefetch from the second) and makes state
         torch.random.set_rng_state(gen_state)
         gc.collect()
         with LiveBytes(track=_held_by(model, optimizer)) as live:
