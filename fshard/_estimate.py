@@ -57,7 +57,14 @@ _MP_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class UnitEstimate:
     """One unit's sizes: parameters (full), unsharded bytes (gathered, compute dtype, padded),
-    this rank's flat shard bytes."""
+    this rank's flat shard bytes.
+
+    Example:
+        >>> import fshard, torch
+        >>> est = fshard.estimate(lambda: torch.nn.Linear(4, 3), nproc=2)
+        >>> est.units
+        (UnitEstimate(name='<root>', numel=15, unsharded_bytes=80, shard_bytes=40),)
+    """
 
     name: str  # the unit's module FQN, "<root>" for the root
     numel: int
@@ -73,6 +80,16 @@ class Estimate:
     replicate dimension hold the same). ``*_by_dtype`` split persistent bytes by dtype.
     ``activation_bytes`` is ``None`` without a batch function. ``str(estimate)`` is the table
     ``fshard estimate`` prints; ``to_dict()`` is its ``--json``.
+
+    Example:
+        >>> import fshard, torch
+        >>> est = fshard.estimate(lambda: torch.nn.Linear(1024, 1024), nproc=4, optimizer="sgd")
+        >>> est.params_by_dtype, est.optimizer_bytes
+        ({'float32': 1049600}, 0)
+        >>> print(est)  # doctest: +ELLIPSIS
+        fshard estimate: Linear, 1.05M params, 4 ranks (mesh 4, shard group 4), 1 units, ...
+        ...
+          = predicted peak ...
     """
 
     model: str
