@@ -17,7 +17,9 @@ Per rank it counts what fshard holds (see [Note: fshard tensors] in _param):
   its forward (the all-gather output and the unsharded buffer coexist while the output is copied
   out) and freed after it, while the next unit's all-gather output is in flight (prefetch); the
   backward gathers again in reverse, holds the unit's unsharded gradients, builds the
-  reduce-scatter input from them and keeps one reduce-scatter in flight.
+  reduce-scatter input from them and keeps one reduce-scatter in flight (on CUDA its input lives
+  until it is waited for; gloo lets it go at once: [Note: how long a reduce-scatter input lives]
+  in _replay).
 - activations, when a batch function is given: the forward and backward of the unsharded model
   (parameters in the compute dtype) run under ``FakeTensorMode`` on one rank's micro-batch with a
   ``LiveBytes`` tracker, whose spans between unit events add to the replay above.
@@ -404,7 +406,12 @@ def estimate(
     base = buffers if offloaded else buffers + sum(params_by.values()) + sum(optim_by.values())
 
     replay = Replay(
-        units, base, offload=offloaded, reshard=reshard_after_forward, virtual_grads=batch_fn is None
+        units,
+        base,
+        offload=offloaded,
+        reshard=reshard_after_forward,
+        virtual_grads=batch_fn is None,
+        holds_reduce_input=device == "cuda",
     )
     if batch_fn is None:
         synthetic_step(replay)

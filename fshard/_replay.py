@@ -50,9 +50,21 @@ class Replay:
     persistent ones and what the fake-tensor run holds (see [Note: what the estimate models])."""
 
     def __init__(
-        self, units: list[UnitBytes], base: int, *, offload: bool, reshard: bool, virtual_grads: bool
+        self,
+        units: list[UnitBytes],
+        base: int,
+        *,
+        offload: bool,
+        reshard: bool,
+        virtual_grads: bool,
+        holds_reduce_input: bool,
     ) -> None:
         self.units = units
+        # [Note: how long a reduce-scatter input lives] NCCL keeps the input of an async
+        # collective until it is waited for (fshard waits when the next unit's reduce-scatter
+        # is issued); gloo on CPU runs it at once and lets it go as the call returns (measured:
+        # tests/dist/test_estimate.py's "wide" model).
+        self.holds_reduce_input = holds_reduce_input
         # The prefetch plans: forward in fully_shard order after the root; backward in the
         # reverse of the order the forwards finish (the root last).
         self.forward_order_hint = units
@@ -148,13 +160,16 @@ class Replay:
         if self.virtual_grads:
             self.ledger -= unit.grads
         activations = drop_grads()
+        if unit.reduce_out and not self.holds_reduce_input:
+            self.ledger -= unit.reduce_in
         self._finish_pending()
         self.pending.append(unit)
         self.point(activations)
 
     def _finish_pending(self) -> None:
         for unit in self.pending:
-            self.ledger -= unit.reduce_in if unit.reduce_out else 0
+            if unit.reduce_out and self.holds_reduce_input:
+                self.ledger -= unit.reduce_in
             kept = unit.reduce_out or unit.reduce_in  # the storage the .grads would view
             if unit.sharded_grads_separate:
                 self.ledger -= kept

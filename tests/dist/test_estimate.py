@@ -1,6 +1,6 @@
 """fshard.estimate against measurement: the predicted peak within 15% of the live tensor bytes
-a real step holds, on a GPT, a BERT and a model with one huge embedding, 1D and 2x2, fp32 and
-bf16."""
+a real step holds, on a GPT, a BERT, a model with one huge embedding and one of large units with
+almost no activations, 1D and 2x2, fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ class HugeEmbedding(nn.Module):
         return self.head(x)
 
 
+class WideBlocks(nn.Module):
+    """Large units and almost no activations: the peak is a unit's backward, where the next
+    unit's prefetched all-gather output counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 128)
+        self.blocks = nn.ModuleList(Mixer(128) for _ in range(4))
+        self.head = nn.Linear(128, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def _gpt() -> nn.Module:
     from fshard.testing.models import TinyTransformer, TransformerSpec
 
@@ -67,19 +84,19 @@ def _bert() -> nn.Module:
 
 def _policy(name: str) -> Any:
     return {"gpt": fshard.by_class("Block"), "bert": fshard.by_class("BertLayer"),
-            "embed": fshard.by_class(Mixer)}[name]
+            "embed": fshard.by_class(Mixer), "wide": fshard.by_class(Mixer)}[name]
 
 
 def _factory(name: str):
-    return {"gpt": _gpt, "bert": _bert, "embed": HugeEmbedding}[name]
+    return {"gpt": _gpt, "bert": _bert, "embed": HugeEmbedding, "wide": WideBlocks}[name]
 
 
 def _batch(name: str):
-    vocab = {"gpt": 256, "bert": 512, "embed": 30_000}[name]
-    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1))
+    vocab = {"gpt": 256, "bert": 512, "embed": 30_000, "wide": 64}[name]
+    tokens = torch.randint(0, vocab, (2, 5) if name == "wide" else (BATCH, SEQ + 1))
     if name == "bert":
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
-    if name == "embed":
+    if name in ("embed", "wide"):
         return (tokens[:, :-1], tokens[:, 1:] % 8)
     return (tokens[:, :-1], tokens[:, 1:])
 
@@ -143,7 +160,7 @@ def _predicted(name: str, mesh_shape: tuple[int, ...], mp: str | None) -> fshard
 
 CASES = [
     (name, mesh, mp)
-    for name in ("gpt", "bert", "embed")
+    for name in ("gpt", "bert", "embed", "wide")
     for mesh in ((2,), (2, 2))
     for mp in (None, "bf16")
 ]
