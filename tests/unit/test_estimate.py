@@ -86,6 +86,23 @@ def test_small_model_bytes_match_the_hand_count():
     assert e.zero_bytes == 22 * 16 // 2
 
 
+def chain() -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+
+
+@pytest.mark.parametrize(("device", "held"), [("cpu", 0), ("cuda", 72)])
+def test_prefetch_and_reduce_scatter_buffers_in_the_backward(device, held):
+    # Three units of a 4x4 weight over 2 ranks: a flat shard of 8, unsharded 2 x 8 x 4 = 64
+    # bytes, unsharded grads 64, reduce-scatter input 2 x (8 + 1 flag) x 4 = 72, output 36.
+    e = fshard.estimate(chain, nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device=device)
+    assert [u.unsharded_bytes for u in e.units] == [0, 64, 64, 64]
+    # The peak is the middle unit's reduce-scatter: shards 3 x 32, the first unit's all-gather
+    # output (prefetched), the middle unit's grads and reduce-scatter input and output, the last
+    # unit's sharded grads, and on CUDA the last unit's reduce-scatter input, held until waited.
+    assert (e.peak_bytes, e.peak_phase) == (96 + 64 + 64 + 72 + 36 + 36 + held, "backward")
+    assert e.prefetch_bytes == 64
+
+
 def test_mixed_precision_gathers_in_bf16_and_keeps_fp32_shards():
     e = _small(mp="bf16")
     assert e.params_by_dtype == {"float32": 56}
