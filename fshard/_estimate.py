@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -371,40 +371,22 @@ def estimate(
     """
     where = "fshard.estimate"
     shape = _mesh_shape(nproc, mesh, where)
-    shard_size, dp_size = shape[-1], math.prod(shape)
     mp_policy = _mp_policy(mp, where)
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"{where}: optimizer must be one of {', '.join(_OPTIMIZERS)}, got {optimizer!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"{where}: device must be 'cuda' or 'cpu', got {device!r}")
     offloaded = offload is not False and offload is not None
-    if isinstance(model_or_factory, nn.Module):
-        model = model_or_factory
-    elif callable(model_or_factory):
-        with torch.device("meta"):
-            model = model_or_factory()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{where}: the factory returned {type(model).__name__}, not an nn.Module")
-    else:
-        raise TypeError(f"{where}: expects an nn.Module or a callable returning one, got {model_or_factory!r}")
+    model = _as_model(model_or_factory, where)
     if policy is None:
         policy = _default_policy(model)
     fqns = select_modules(model, policy) if policy is not None else []
     units = _units(
-        model, fqns, shard_size=shard_size, dp_size=dp_size, mp=mp_policy, offload=offloaded,
-        optimizer=optimizer,
+        model, fqns, shard_size=shape[-1], dp_size=math.prod(shape), mp=mp_policy,
+        offload=offloaded, optimizer=optimizer,
     )
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    # Persistent per shard rank; the largest rank is reported.
-    params_by = _sum_dtypes(u.shard_bytes for u in units)
-    grads_by = _sum_dtypes(u.sharded_grads for u in units)
-    optim_by_rank = [_sum_dtypes(u.optim_by_rank[r] for u in units) for r in range(shard_size)]
-    rank = max(range(shard_size), key=lambda r: (sum(optim_by_rank[r].values()), -r))
-    optim_by = optim_by_rank[rank]
-    sharded = sum(params_by.values()) + sum(grads_by.values()) + sum(optim_by.values())
-    persistent = sharded + buffers
-    base = buffers if offloaded else buffers + sum(params_by.values()) + sum(optim_by.values())
-
+    held = _persistent(units, shape[-1], sum(b.numel() * b.element_size() for b in model.buffers()))
+    base = held.buffers if offloaded else held.buffers + held.params + held.optimizer
     replay = Replay(
         units,
         base,
@@ -415,59 +397,47 @@ def estimate(
     )
     if batch_fn is None:
         synthetic_step(replay)
-        activations = None
     else:
         fake_step(model, units, replay, batch_fn, loss_fn or default_loss, mp_policy)
-        activations = replay.activation_peak
-    # The optimizer step: sharded grads all landed, plus its temporaries.
-    step_peak = persistent if not offloaded else buffers
-    if not offloaded and optimizer in ("adamw", "adam"):
-        if device == "cpu":
-            step_peak += 2 * max(u.optim_largest_param[rank] for u in units)
-        else:
-            step_peak += max(sum(optim_by.values()) // 2, 0)
     peak, phase = replay.peak, replay.peak_phase
+    step_peak = _optimizer_step_peak(units, held, optimizer, device, offloaded)
     if step_peak > peak:
         peak, phase = step_peak, "optimizer step"
-
     others = units[1:]
     largest = max(others, key=lambda u: u.unsharded) if others else units[0]
     after = _next_unit(units, largest)
-    label = name or type(model).__name__
     estimate_ = Estimate(
-        model=label,
+        model=name or type(model).__name__,
         nproc=nproc,
         mesh=shape,
-        shard_size=shard_size,
+        shard_size=shape[-1],
         params=sum(p.numel() for p in model.parameters()),
         mp=_mp_name(mp_policy),
         optimizer=optimizer,
         offload=offloaded,
         device=device,
-        rank=rank,
-        params_by_dtype={_dtype_name(k): v for k, v in params_by.items()},
-        grads_by_dtype={_dtype_name(k): v for k, v in grads_by.items()},
-        optimizer_by_dtype={_dtype_name(k): v for k, v in optim_by.items()},
-        buffer_bytes=buffers,
-        persistent_bytes=persistent,
-        host_bytes=sharded if offloaded else 0,
-        units=tuple(
-            UnitEstimate(u.name, u.numel, u.unsharded, sum(u.shard_bytes.values())) for u in units
-        ),
+        rank=held.rank,
+        params_by_dtype={_dtype_name(k): v for k, v in held.params_by.items()},
+        grads_by_dtype={_dtype_name(k): v for k, v in held.grads_by.items()},
+        optimizer_by_dtype={_dtype_name(k): v for k, v in held.optimizer_by.items()},
+        buffer_bytes=held.buffers,
+        persistent_bytes=held.total,
+        host_bytes=held.total - held.buffers if offloaded else 0,
+        units=tuple(UnitEstimate(u.name, u.numel, u.unsharded, sum(u.shard_bytes.values())) for u in units),
         largest_unit=largest.name,
         largest_unit_bytes=largest.unsharded,
         prefetch_bytes=after.ag_out + after.ag_in if after is not None else 0,
         root_bytes=units[0].unsharded,
-        activation_bytes=activations,
+        activation_bytes=None if batch_fn is None else replay.activation_peak,
         peak_bytes=peak,
         peak_phase=phase,
         zero_bytes=sum(p.numel() for p in model.parameters() if p.requires_grad)
-        * _zero_bytes_per_param(optimizer) // shard_size,
+        * _zero_bytes_per_param(optimizer) // shape[-1],
     )
     if not suggest:
         return estimate_
     notes = _advice(
-        estimate_, units, model, policy, fqns,
+        estimate_, units, model, fqns,
         lambda extra: estimate(
             model, nproc=nproc, mesh=shape, policy=_with_units(policy, model, extra), mp=mp_policy,
             offload=offload, optimizer=optimizer, batch_fn=batch_fn, loss_fn=loss_fn,
@@ -475,6 +445,69 @@ def estimate(
         ),
     )
     return dataclasses.replace(estimate_, notes=tuple(notes))
+
+
+def _as_model(model_or_factory: nn.Module | Callable[[], nn.Module], where: str) -> nn.Module:
+    """The module itself, or the factory's, built on the meta device."""
+    if isinstance(model_or_factory, nn.Module):
+        return model_or_factory
+    if not callable(model_or_factory):
+        raise TypeError(f"{where}: expects an nn.Module or a callable returning one, got {model_or_factory!r}")
+    with torch.device("meta"):
+        model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+class _Held(NamedTuple):
+    """Persistent bytes of the largest rank."""
+
+    rank: int
+    params_by: dict[torch.dtype, int]
+    grads_by: dict[torch.dtype, int]
+    optimizer_by: dict[torch.dtype, int]
+    buffers: int
+
+    @property
+    def params(self) -> int:
+        return sum(self.params_by.values())
+
+    @property
+    def optimizer(self) -> int:
+        return sum(self.optimizer_by.values())
+
+    @property
+    def total(self) -> int:
+        return self.params + sum(self.grads_by.values()) + self.optimizer + self.buffers
+
+
+def _persistent(units: list[UnitBytes], shard_size: int, buffers: int) -> _Held:
+    """Ranks differ only in optimizer state (``torch.chunk`` gives the last ranks shorter
+    shards; flat shards and grads are padded alike), so the largest is rank 0."""
+    by_rank = [_sum_dtypes(u.optim_by_rank[r] for u in units) for r in range(shard_size)]
+    rank = max(range(shard_size), key=lambda r: (sum(by_rank[r].values()), -r))
+    return _Held(
+        rank,
+        _sum_dtypes(u.shard_bytes for u in units),
+        _sum_dtypes(u.sharded_grads for u in units),
+        by_rank[rank],
+        buffers,
+    )
+
+
+def _optimizer_step_peak(units: list[UnitBytes], held: _Held, optimizer: str, device: str, offloaded: bool) -> int:
+    """Every sharded grad has landed; AdamW adds its temporaries: per tensor (CPU) a ``sqrt``
+    and a divide of one local shard, foreach (CUDA) a ``sqrt`` of all of them at once."""
+    if offloaded:
+        return held.buffers  # the step runs on the host
+    peak = held.total
+    if optimizer in ("adamw", "adam"):
+        if device == "cpu":
+            peak += 2 * max(u.optim_largest_param[held.rank] for u in units)
+        else:
+            peak += held.optimizer // 2
+    return peak
 
 
 def _next_unit(units: list[UnitBytes], unit: UnitBytes) -> UnitBytes | None:
@@ -561,7 +594,6 @@ def _advice(
     e: Estimate,
     units: list[UnitBytes],
     model: nn.Module,
-    policy: Policy | None,
     fqns: list[str],
     rerun: Callable[[list[str]], Estimate],
 ) -> list[str]:
