@@ -218,6 +218,22 @@ def test_cli_without_transformers_names_the_extra(tmp_path, capsys, monkeypatch)
     assert "fshard[hf]" in capsys.readouterr().err
 
 
+def test_cli_takes_policy_and_precision_from_an_accelerate_config(tmp_path, capsys):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(
+        "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n"
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: Linear\n"
+    )
+    out = tmp_path / "e.json"
+    args = ["estimate", "tests.unit.test_estimate:small_model", "--nproc", "2", "--json", str(out)]
+    assert main([*args, "--config_file", str(config)]) == 0
+    data = json.loads(out.read_text())
+    assert [u["name"] for u in data["units"]] == ["<root>", "lin"]
+    assert data["mp"] == "bfloat16 compute, bfloat16 reduce"
+    assert data["units"][1]["unsharded_bytes"] == 2 * 10 * 2
+
+
 def test_cli_gpt_counts_activations(capsys):
     assert main(["estimate", "gpt", "--nproc", "2", "--layers", "2", "--dim", "32", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
