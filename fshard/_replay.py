@@ -41,7 +41,6 @@ class UnitBytes(NamedTuple):
     optim_largest_param: list[int]  # per rank: bytes of the largest local shard with grad
 
 
-
 # ----------------------------------------------------------------------------- the replay
 
 
