@@ -103,6 +103,15 @@ def test_prefetch_and_reduce_scatter_buffers_in_the_backward(device, held):
     assert e.prefetch_bytes == 64
 
 
+def test_zero2_keeps_every_unit_gathered_from_forward_to_backward():
+    kwargs = dict(nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device="cpu")
+    zero3 = fshard.estimate(chain, **kwargs)
+    zero2 = fshard.estimate(chain, reshard_after_forward=False, **kwargs)
+    # The first unit reduced (the last to run forward) has the other two still gathered: shards
+    # 96, two unsharded units 2 x 64, its grads 64, reduce-scatter input and output 108.
+    assert (zero3.peak_bytes, zero2.peak_bytes) == (368, 96 + 2 * 64 + 64 + 108)
+
+
 def test_mixed_precision_gathers_in_bf16_and_keeps_fp32_shards():
     e = _small(mp="bf16")
     assert e.params_by_dtype == {"float32": 56}
