@@ -22,7 +22,8 @@ Per rank it counts what fshard holds (see [Note: fshard tensors] in _param):
   in _replay).
 - activations, when a batch function is given: the forward and backward of the unsharded model
   (parameters in the compute dtype) run under ``FakeTensorMode`` on one rank's micro-batch with a
-  ``LiveBytes`` tracker, whose spans between unit events add to the replay above.
+  ``LiveBytes`` tracker, whose spans between unit events add to the replay above (an
+  activation-checkpoint recompute in the backward is counted as it runs; it moves no unit).
 - the optimizer step: its temporaries (per-tensor AdamW on CPU: ``sqrt`` and a divide of the
   largest local shard; foreach AdamW on CUDA: one ``sqrt`` of all local shards).
 

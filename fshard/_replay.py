@@ -333,6 +333,11 @@ def fake_step(
                 handle.remove()
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _hook_unit(unit: UnitBytes, replay: Replay, live: LiveBytes, drop: Callable[[], int]) -> list[Any]:
     """Forward pre/post hooks on the unit's module that feed ``replay`` its events."""
     waiting = [0]
@@ -343,6 +348,8 @@ def _hook_unit(unit: UnitBytes, replay: Replay, live: LiveBytes, drop: Callable[
             replay.post_backward(unit, live.take_peak(), live.current, drop)
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        if _in_backward():
+            return None  # an activation-checkpoint recompute: the unit is gathered, nothing to arm
         replay.pre_forward(unit, live.take_peak(), live.current)
         if unit is replay.root or not torch.is_grad_enabled():
             return None
@@ -359,6 +366,8 @@ def _hook_unit(unit: UnitBytes, replay: Replay, live: LiveBytes, drop: Callable[
         return args, kwargs
 
     def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if _in_backward():
+            return  # a recompute: fshard frees the unit after its backward, not here
         replay.post_forward(unit, live.take_peak(), live.current)
         fired = [False]
 

@@ -5,6 +5,7 @@ almost no activations, 1D and 2x2, fp32 and bf16."""
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Any
 
 import pytest
@@ -71,6 +72,13 @@ def _gpt() -> nn.Module:
     return TinyTransformer(TransformerSpec(vocab=256, dim=64, heads=4, layers=3, seq=SEQ))
 
 
+def _gpt_checkpointed() -> nn.Module:
+    from fshard.testing.models import TinyTransformer, TransformerSpec
+
+    spec = TransformerSpec(vocab=256, dim=64, heads=4, layers=3, seq=SEQ, checkpoint="around")
+    return TinyTransformer(spec)
+
+
 def _bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -83,16 +91,17 @@ def _bert() -> nn.Module:
 
 
 def _policy(name: str) -> Any:
-    return {"gpt": fshard.by_class("Block"), "bert": fshard.by_class("BertLayer"),
+    blocks = fshard.by_class("Block")
+    return {"gpt": blocks, "gpt-ckpt": blocks, "bert": fshard.by_class("BertLayer"),
             "embed": fshard.by_class(Mixer), "wide": fshard.by_class(Mixer)}[name]
 
 
 def _factory(name: str):
-    return {"gpt": _gpt, "bert": _bert, "embed": HugeEmbedding, "wide": WideBlocks}[name]
+    return {"gpt": _gpt, "gpt-ckpt": _gpt_checkpointed, "bert": _bert, "embed": HugeEmbedding, "wide": WideBlocks}[name]
 
 
 def _batch(name: str):
-    vocab = {"gpt": 256, "bert": 512, "embed": 30_000, "wide": 64}[name]
+    vocab = {"gpt": 256, "gpt-ckpt": 256, "bert": 512, "embed": 30_000, "wide": 64}[name]
     tokens = torch.randint(0, vocab, (2, 5) if name == "wide" else (BATCH, SEQ + 1))
     if name == "bert":
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
@@ -163,7 +172,7 @@ CASES = [
     for name in ("gpt", "bert", "embed", "wide")
     for mesh in ((2,), (2, 2))
     for mp in (None, "bf16")
-]
+] + [("gpt-ckpt", (2,), None)]  # activation checkpointing around each block
 
 
 @pytest.mark.parametrize(("name", "mesh_shape", "mp"), CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
@@ -182,8 +191,8 @@ def test_estimate_within_15_percent_of_measured_peak(name, mesh_shape, mp):
     )
 
 
-if __name__ == "__main__":  # the table of the performance guide: python -m tests.dist.test_estimate
-    for case in CASES:
+if __name__ == "__main__":  # the guide's table: python -m tests.dist.test_estimate [--last]
+    for case in CASES[-1:] if "--last" in sys.argv else CASES:
         world = 1
         for s in case[1]:
             world *= s
