@@ -25,6 +25,7 @@ from fshard._controls import (
     unshard,
 )
 from fshard._errors import CollectiveError, RankMismatchError
+from fshard._estimate import Estimate, UnitEstimate, estimate
 from fshard._introspect import MemoryStats, UnitInfo, memory_stats, reset_peak_memory_stats, units
 from fshard._materialize import materialize
 from fshard._options import BackwardPrefetch, CPUOffload, MixedPrecision
@@ -94,6 +95,10 @@ __all__ = [
     "load_config",
     "config_of",
     "FSDPConfig",
+    # planning
+    "estimate",
+    "Estimate",
+    "UnitEstimate",
     # errors
     "RankMismatchError",
     "CollectiveError",

@@ -40,6 +40,7 @@ examples:
   fshard launch --config_file examples/accelerate_config.yaml examples/hf_bert.py
   fshard consolidate checkpoints/step_100 model.safetensors
   fshard bench --nproc 2 --json bench.json
+  fshard estimate path/to/config.json --nproc 64 --mesh 8x8 --mp bf16
 
 Run `fshard COMMAND --help` for the options of each command.
 """
@@ -108,12 +109,7 @@ example:
 
 _TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
-_COMMANDS = ("launch", "consolidate", "bench")
-# Sub-commands that SPEC.md plans but this version does not have -> a pointer for now. They get
-# an error that says so instead of argparse's bare "invalid choice"; no stubs that pretend to work.
-_PLANNED_COMMANDS = {
-    "estimate": "",
-}
+_COMMANDS = ("launch", "consolidate", "bench", "estimate")
 
 _RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 _DEFAULT_RDZV = "c10d"
@@ -243,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fshard._bench._spec import add_bench_parser  # bench's flags live with bench
 
     add_bench_parser(commands, _Formatter)
+    _add_estimate_parser(commands)
     return parser
 
 
@@ -703,6 +700,104 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- estimate
+
+_ESTIMATE_DESCRIPTION = """\
+Predict the memory per rank of one training step of MODEL under fshard, from a meta-device
+build: no process group, no parameter memory. MODEL is `gpt` (fshard's test GPT; sizes from
+--layers --dim --heads --seq --vocab --batch), pkg.module:factory (a callable returning the
+module, built under torch.device("meta")), or a Transformers config.json or a directory holding
+one (built with AutoModelForCausalLM.from_config in float32: fp32 master weights; needs the
+`hf` extra).
+
+Per rank it prints the persistent bytes (sharded params, grads, optimizer state, by dtype),
+the root's parameters kept gathered, the largest unit's unsharded bytes and the prefetch on
+top, the activation peak when --batch-fn is given (a forward and backward under fake tensors),
+and the predicted peak, with the ZeRO formula beside it; a unit that dominates the peak is
+flagged with a wrapping that lowers it.
+"""
+
+_ESTIMATE_EPILOG = """\
+examples:
+  fshard estimate gpt --nproc 4 --layers 8 --dim 384 --vocab 8192 --seq 128 --batch 4
+  fshard estimate llama70b/config.json --nproc 64 --mesh 8x8 --mp bf16 --json est.json
+  fshard estimate mypkg.models:build --nproc 8 --by-class Block --batch-fn mypkg.data:one_batch
+"""
+
+
+def _mesh_arg(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or RxS (e.g. 8x8), got {text!r}") from None
+    if not 1 <= len(shape) <= 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or RxS with sizes >= 1, got {text!r}")
+    return shape
+
+
+def _add_estimate_parser(commands: Any) -> None:
+    estimate = commands.add_parser(
+        "estimate",
+        help="predict memory per rank of a training step, from a meta-device build",
+        description=_ESTIMATE_DESCRIPTION,
+        epilog=_ESTIMATE_EPILOG,
+        formatter_class=_Formatter,
+    )
+    estimate.add_argument("model", metavar="MODEL", help="gpt, pkg.module:factory, or a Transformers config.json / directory")
+    estimate.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks in all")
+    estimate.add_argument("--mesh", type=_mesh_arg, metavar="N|RxS", help="1D N, or RxS (replicate x shard, HSDP); default: --nproc")
+    policy = estimate.add_mutually_exclusive_group()
+    policy.add_argument("--by-class", "--by_class", action="append", metavar="NAME", help="module class to make units of (repeatable)")
+    policy.add_argument("--min-params", "--min_params", type=int, metavar="N", help="units by size (SIZE_BASED_WRAP)")
+    policy.add_argument("--config_file", "--config-file", metavar="FILE", help="accelerate-style YAML: wrap policy, mixed precision, offload, strategy")
+    estimate.add_argument("--mp", choices=("bf16", "fp16", "fp32"), help="mixed precision: compute and reduce in that dtype, fp32 master shards (default: the config file's, else fp32)")
+    estimate.add_argument("--offload", action="store_true", default=None, help="CPU offload of shards, grads and optimizer state")
+    estimate.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum", "none"), default="adamw", help="optimizer state to count (default: adamw)")
+    estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the step runs: which optimizer implementation torch picks (default: cuda)")
+    estimate.add_argument("--batch-fn", "--batch_fn", metavar="pkg.module:fn", help="fn() -> one rank's micro-batch (args tuple, kwargs dict or a tensor), for the activation peak")
+    estimate.add_argument("--json", metavar="FILE", help="also write the estimate as JSON")
+    for flag, default in (("layers", 4), ("dim", 128), ("heads", 4), ("seq", 64), ("vocab", 128), ("batch", 8)):
+        estimate.add_argument(f"--{flag}", type=int, metavar="N", help=f"gpt: {flag} (default: {default})")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from fshard._estimate import estimate
+    from fshard._model_source import load_callable, load_model, load_policy, write_json
+
+    gpt = {k: getattr(args, k) for k in ("layers", "dim", "heads", "seq", "vocab")}
+    try:
+        source = load_model(args.model, gpt=gpt, batch=args.batch)
+        with torch.device("meta"):
+            model = source.factory()
+        policy, extra = load_policy(
+            model, by_class_names=args.by_class, min_params=args.min_params, config_file=args.config_file
+        )
+        batch_fn = load_callable(args.batch_fn, "--batch-fn") if args.batch_fn else source.batch_fn
+        result = estimate(
+            model,
+            nproc=args.nproc,
+            mesh=args.mesh,
+            policy=policy if policy is not None else source.policy,
+            mp=args.mp if args.mp is not None else extra.get("mp"),
+            offload=args.offload if args.offload is not None else bool(extra.get("offload", False)),
+            optimizer=args.optimizer,
+            batch_fn=batch_fn,
+            loss_fn=source.loss_fn if batch_fn is source.batch_fn else None,
+            reshard_after_forward=extra.get("reshard_after_forward", True),
+            device=args.device,
+            name=source.name,
+        )
+    except (ValueError, TypeError) as exc:
+        _error(f"estimate: error: {exc}")
+        return 2
+    print(result)
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -780,11 +875,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     # The top-level parser has no option that takes a value, so the first word is the command.
     command = next((word for word in words if not word.startswith("-")), None)
-    if command in _PLANNED_COMMANDS:
-        parser.error(
-            f"argument COMMAND: {command!r} is not available in this version of fshard (it is "
-            f"planned); the commands are {', '.join(_COMMANDS)}.{_PLANNED_COMMANDS[command]}"
-        )
     if command == "launch":
         args = _parse_launch(parser, words, words.index(command))
     else:
@@ -797,6 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fshard._bench import run_command  # starts ranks: imported only when asked for
 
         return run_command(args)
+    if args.command == "estimate":
+        return _run_estimate(args)
     parser.print_help()
     return 0
 

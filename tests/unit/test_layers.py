@@ -20,13 +20,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fshard"
 LAYERS: list[list[str]] = [
     ["_placement", "_options", "_errors", "_profiling", "_trees", "_checksum", "transforms"],
     ["_mesh", "_hang", "_collectives"],
-    ["_param", "_bucket", "_amp", "_strategy", "_memtrack"],
+    ["_param", "_bucket", "_amp", "_strategy", "_memtrack", "_replay"],
     ["_unit"],
     ["_runtime"],
     ["_api", "_controls", "_clip", "_introspect", "_materialize"],
     ["_state_dict"],
     ["_wrap", "checkpoint", "_config", "_estimate"],
-    ["__init__", "__main__", "cli", "testing", "hf", "_bench"],
+    ["__init__", "__main__", "cli", "testing", "hf", "_bench", "_model_source"],
 ]
 
 
