@@ -21,7 +21,7 @@ from fshard._errors import RankMismatchError
 from fshard._mesh import MeshInfo
 from fshard._options import BackwardPrefetch
 from fshard._runtime._hooks import ensure_root_initialised, hook_forward_method
-from fshard._runtime._root import check_prefetch_targets
+from fshard._runtime._root import check_prefetch_targets, root_of
 from fshard._runtime._root_init import check_prefetch_alike
 from fshard._unit._group import ParamGroup, ShardedState, TrainingState
 from fshard._unit._registry import unit_of, units_or_error, units_under
@@ -449,5 +449,6 @@ def set_prefetch(
             f"got {backward!r}"
         )
     if group.root is not None:  # the model has run: its units are known (else checked then)
-        check_prefetch_targets(group.root.groups)  # type: ignore[attr-defined]  # ParamGroup.root is typed object; it is a RootState
-        check_prefetch_alike(group.root)  # type: ignore[arg-type]  # ParamGroup.root is typed object; it is a RootState
+        root = root_of(group)
+        check_prefetch_targets(root.groups)
+        check_prefetch_alike(root)

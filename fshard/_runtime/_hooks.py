@@ -45,10 +45,10 @@ from fshard._runtime._forward_io import (
     _wrap_inputs,
 )
 from fshard._runtime._optim_hooks import install_optimizer_hooks
-from fshard._runtime._root import RootState
+from fshard._runtime._root import RootState, root_of
 from fshard._runtime._root_init import _refuse_root_of_several, init_root
 from fshard._trees import _cast_floating, _map_tensors, _tensors_in
-from fshard._unit._group import ParamGroup, ShardedState, TrainingState
+from fshard._unit._group import ParamGroup, TrainingState
 from fshard._unit._registry import attach_unit, in_backward, is_unit_module, units_under
 
 logger = logging.getLogger("fshard")
@@ -382,7 +382,7 @@ def _pre_forward(
         _refuse_root_of_several(group)
         check_params_in_place(units_under(group.module), before_init=group.module)
         ensure_root_initialised(group)
-    root: RootState = group.root  # type: ignore[assignment]  # set by _lazy_init
+    root = root_of(group)
     if in_backward():
         # Activation-checkpoint recompute inside backward: gather and cast as the forward did,
         # but arm nothing...
@@ -403,19 +403,7 @@ def _pre_forward(
         # (Not for the root's forward inside a method of the root that runs as its forward:
         # see register_forward_method.)
         root.on_root_pre_forward()
-    if group.training_state is TrainingState.IDLE and not group.ran_since_backward:
-        group.reset_backward()  # the first forward since the last backward
-    group.training_state = TrainingState.FORWARD
-    group.ran_since_backward = True
-    if group.forward_depth > 0:
-        # A module of this unit (of several) called inside the forward of another of them:
-        # the outer call's passed inputs wait (see _post_forward).
-        group.outer_passed.append(group.passed_inputs)
-        group.passed_inputs = None
-    group.forward_depth += 1
-    if len(group.modules) > 1 and not group.modules_to_run:
-        # A unit of several modules is gathered once for all of them: see _post_forward.
-        group.modules_to_run = {id(m) for m in group.modules}
+    group.pre_forward()
     root.record(group)
     # (Before any collective of the unit's: a departure from the first step's order is agreed on
     # first. Only the unit's first call in the model's forward counts, as for prefetch below.)
@@ -481,8 +469,13 @@ def _post_forward(
 ) -> Any:
     passed, group.passed_inputs = group.passed_inputs, None  # (also a recompute's: dropped)
     if in_backward():
+        # An activation checkpoint's recompute: cast the output as the forward did, so that the
+        # ops after the unit see the dtypes they saw then (and saved tensors match).
+        mp = group.mp_policy
+        if mp is not None and mp.output_dtype is not None:
+            return _cast_floating(output, mp.output_dtype)
         return None
-    root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    root = root_of(group)
     group.forward_depth = max(group.forward_depth - 1, 0)
     group.modules_to_run.discard(id(module))
     nested = group.forward_depth > 0  # inside another module's forward of this unit
@@ -532,20 +525,12 @@ def _post_forward(
         group.passed_inputs = group.outer_passed.pop() if group.outer_passed else None
         group.nested_returned = True
         return output
-    if not grad_enabled or not keep:
-        if group.modules_to_run and root.root.training_state is TrainingState.FORWARD:
-            # A unit of several modules, some of which have not run yet in the model's
-            # forward, stays gathered for them; if one does not run after all (or one runs
-            # again), the end of the model's forward frees it.
-            group.deferred_reshard = True
-        elif grad_enabled and group.post_forward_size:
-            group.reshard_post_forward()  # reshard_after_forward=<int>: keep 1/N for backward
-            group.deferred_reshard = False
-            root.hidden_kept = True  # (the next model forward drops what its backward did not use)
-        else:
-            group.reshard()
-            group.deferred_reshard = False
-    group.training_state = TrainingState.IDLE
+    if group.post_forward(
+        free=not grad_enabled or not keep,
+        grad_enabled=grad_enabled,
+        model_forward_running=root.root.training_state is TrainingState.FORWARD,
+    ):
+        root.hidden_kept = True  # rows kept for the backward: the next model forward drops them
     root.record_finish(group)
     if root.root is group:
         root.on_root_post_forward()
@@ -560,7 +545,7 @@ def _post_forward(
 def _pre_backward(
     group: ParamGroup, grad: torch.Tensor | None, versions: tuple[int, ...] | None, step: int
 ) -> None:
-    root: RootState = group.root  # type: ignore[assignment]  # set in pre-forward
+    root = root_of(group)
     root.recover_if_backward_aborted()  # (then this graph is one from before, as after a step)
     root.check_step_order()  # the first pre-backward of a backward: before its collectives
     group.check_unchanged_since_forward(versions)
@@ -586,12 +571,7 @@ def _pre_backward(
         root.release_parked(group)
     if group.backward_task is None:
         group.backward_task = torch._C._current_graph_task_id()
-    if group.training_state is TrainingState.PRE_BACKWARD and (
-        group.sharded_state is ShardedState.UNSHARDED
-    ):
-        return None
-    group.training_state = TrainingState.PRE_BACKWARD
-    group.unshard()
+    group.pre_backward()
     root.prefetch_for_backward(group, BackwardPrefetch.BACKWARD_PRE)
     return None
 
@@ -616,8 +596,7 @@ def _pre_backward_of_earlier_graph(group: ParamGroup, root: RootState) -> None:
     group._reduced = False
     group._freed_in_backward = False
     group.reshard()
-    group.training_state = TrainingState.PRE_BACKWARD
-    group.unshard()
+    group.pre_backward()
 
 
 def ensure_root_initialised(group: ParamGroup) -> None:

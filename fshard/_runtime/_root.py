@@ -560,3 +560,11 @@ def _order_mismatch_message(
             "do not step the optimizer on them."
         )
     raise internal_error("collective digests differ but no rank's sequence does")
+
+
+def root_of(group: ParamGroup) -> RootState:
+    """The root context of ``group``'s tree: set at root init, before any hook body that asks."""
+    root = group.root
+    if not isinstance(root, RootState):
+        raise internal_error(f"unit {group.label} has no root context yet (root init did not run)")
+    return root

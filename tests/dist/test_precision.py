@@ -346,3 +346,37 @@ def _fp16_params_scaler_worker() -> bool:
 
 def test_sharded_grad_scaler_takes_fp16_parameters():
     assert all(get_pool(2).run(_fp16_params_scaler_worker))
+
+
+# ------------------------------------------------- output_dtype in a checkpoint's recompute
+
+
+def _checkpointed_unit_with_output_dtype(shape):
+    """A unit whose MixedPrecision casts its output to fp32, inside a non-reentrant activation
+    checkpoint, followed by an op that saves its output (exp): the recompute in backward must
+    give it the dtype the forward gave, or torch's checkpoint refuses the recomputed values."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    mp = fshard.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    mesh = mesh_for(shape)
+    fshard.fully_shard(model[0], mesh=mesh, mp_policy=mp)
+    fshard.fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6)
+
+    def segment(inputs):
+        return torch.exp(model[0](inputs))  # exp saves its (fp32) output for backward
+
+    out = model[1](checkpoint(segment, x, use_reentrant=False))
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return [g.dtype for g in grads], all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["1d", "2x2"])
+def test_output_dtype_applies_in_a_checkpoint_recompute(shape):
+    for dtypes, finite in get_pool(math.prod(shape)).run(_checkpointed_unit_with_output_dtype, shape):
+        assert dtypes == [torch.float32] * 4
+        assert finite
