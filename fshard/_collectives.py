@@ -264,7 +264,7 @@ def _issue(op: str, group: dist.ProcessGroup | None, label: str) -> _hang.Where:
     fshard can see a mismatch coming (see [Note: the hang check])."""
     key = _group_key(group)
     api = label.split("(")[0].split(":")[0] if label.startswith(_API_LABELS) else None
-    where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(), unit=api is None)
+    where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(api is None), unit=api is None)
     entering = api is not None and _LAST_API.get(key) != api and not api.startswith(_NO_RENDEZVOUS)
     _LAST_API[key] = api
     departure = _AGREE_NEXT[0]

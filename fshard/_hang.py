@@ -151,9 +151,12 @@ def group_key(group: dist.ProcessGroup | None) -> str:
     return ",".join(map(str, ranks))
 
 
-def phase() -> str:
-    """forward / backward, for the hang check's messages."""
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward or outside"
+def phase(unit: bool) -> str:
+    """Where in the step a collective is issued, for the hang check's messages: a unit's
+    collectives outside a backward belong to its forward (or a call run as one)."""
+    if torch._C._current_graph_task_id() != -1:
+        return "backward"
+    return "forward" if unit else "outside forward and backward"
 
 
 # ------------------------------------------------------------------------------ the heartbeat
