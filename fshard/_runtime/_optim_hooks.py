@@ -323,7 +323,10 @@ def _names_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> l
     best: dict[int, str] = {}
     best_size = 0
     for obj in gc.get_objects():
-        if not isinstance(obj, nn.Module):
+        try:
+            if not isinstance(obj, nn.Module):
+                continue
+        except ReferenceError:  # a proxy of a weakref whose object is gone
             continue
         names = {id(p): n for n, p in obj.named_parameters() if id(p) in wanted}
         size = sum(1 for _ in obj.modules())  # the outermost of those naming as many: the model
