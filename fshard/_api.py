@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
+from fshard._checksum import value_checksum
 from fshard._clip import track_unit
 from fshard._errors import ProblemList, first_few
 from fshard._mesh import MeshInfo, default_mesh, mesh_info
@@ -278,6 +279,7 @@ def _make_unit(
     """Turn ``managed`` into sharded parameters (in place: same objects) of a new unit over
     ``modules``; gradients they hold already keep this rank's rows."""
     slots: list[ParamSlot] = []
+    checksums = [value_checksum(param) for _, param in managed]  # while the full values are here
     for name, param in managed:
         layout = shard_layout(param.shape, info.shard_size, info.shard_rank)
         slot = ParamSlot(param, name, layout, info)  # type: ignore[arg-type]  # a plain Parameter until its class changes on the next lines
@@ -298,7 +300,9 @@ def _make_unit(
         offload_policy=offload_policy,
         locals_=locals_,
     )
-    for slot in slots:
+    for slot, checksum in zip(slots, checksums, strict=True):
+        if checksum is not None:
+            slot.value_checksum = (checksum, slot.sharded_param._version)
         if slot.pending_grad is not None:
             slot.sharded_param.grad = slot.pending_grad.to(slot.sharded_param.device).clone()
             slot.pending_grad = None

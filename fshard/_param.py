@@ -274,6 +274,9 @@ class ParamSlot:
         self.group_ref: Callable[[], SlotOwner | None] = _no_owner
         self.pending_grad: torch.Tensor | None = None  # a pre-existing grad, sharded at init
         self.clip_mark: int | None = None  # see fshard._clip._clip_mark
+        # The checksum of the full value at fully_shard and the shard's version counter then
+        # (see _checksum): root init compares them across ranks while the shards are unchanged.
+        self.value_checksum: tuple[int, int] | None = None
 
     def drop_unsharded_grad(self) -> None:
         """Forget the unsharded grad (this backward's and any no_sync sum)."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fshard import _collectives
+from fshard._checksum import value_checksum
 from fshard._errors import ProblemList, RankMismatchError, internal_error
 from fshard._options import debug_checks
 from fshard._runtime._root import RootState
@@ -54,12 +55,14 @@ def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -
     problems.raise_if_any(ValueError)
     _check_meshes(group, groups)
     _check_units_are_called(module, groups)
+    unchanged = _unchanged_checksums(groups)  # (before placement rebuilds any unit's shards)
     _place_shared_params(module, groups)
     param_names = {id(p): name for name, p in module.named_parameters()}
     for g in groups:
         for slot in g.slots:
             slot.fqn = param_names.get(id(slot.sharded_param), slot.fqn)
     _validate_across_ranks(group, groups)
+    _check_values_across_ranks(group, module, unchanged)
     state = RootState(group, groups)
     for g in groups:
         g.root = state
@@ -361,3 +364,50 @@ def _validate_across_ranks(root: ParamGroup, groups: list[ParamGroup]) -> None:
             "to read them on rank 0 only)."
         )
 
+
+# [Note: ranks that built different values]
+# fshard shards what each rank built: ranks seeded differently would train a model none of them
+# built (DDP broadcasts rank 0's weights at construction). fully_shard takes a checksum of each
+# parameter's full value while it is still there (see _checksum); root init compares them, and
+# checksums of the buffers, across the ranks with one object all-gather. A parameter whose shard
+# changed since (a load, fshard.materialize) is skipped on every rank where it changed: its
+# values now come from what was loaded, which the load paths keep alike.
+
+
+def _unchanged_checksums(groups: list[ParamGroup]) -> dict[int, int]:
+    """The sharding-time checksums of the parameters whose shards have not changed since."""
+    out = {}
+    for g in groups:
+        for slot in g.slots:
+            recorded = slot.value_checksum
+            if recorded is not None and slot.sharded_param._version == recorded[1]:
+                out[id(slot.sharded_param)] = recorded[0]
+    return out
+
+
+def _check_values_across_ranks(root: ParamGroup, module: nn.Module, unchanged: dict[int, int]) -> None:
+    """Every rank must hold the same values: see [Note: ranks that built different values]."""
+    if root.mesh_info.dp_size == 1:
+        return
+    rows: dict[str, int | None] = {name: unchanged.get(id(p)) for name, p in module.named_parameters()}
+    for name, buffer in module.named_buffers():
+        rows[name] = value_checksum(buffer)
+    everyone = _gather_over_mesh(root, rows, label="root_init")
+    for name in rows:
+        seen: dict[int, list[int]] = {}
+        for rank, theirs in everyone:
+            checksum = theirs.get(name)
+            if checksum is not None:
+                seen.setdefault(checksum, []).append(rank)
+        if len(seen) > 1:
+            groups = sorted(seen.values())
+            kind = "buffer" if name not in dict(module.named_parameters()) else "parameter"
+            raise RankMismatchError(
+                f"fshard: the ranks built different values: {kind} {name!r} differs between rank "
+                f"{groups[0][0]} and rank {groups[1][0]} ({len(seen)} different values over the "
+                "mesh). fshard shards what each rank built, so training would start from a model "
+                "none of them built (DDP broadcasts rank 0's weights). Seed every rank alike "
+                "before building the model (torch.manual_seed), or pass sync_module_states=True "
+                "to fully_shard (fsdp_sync_module_states: true in an accelerate config), which "
+                "broadcasts rank 0's values before sharding."
+            )

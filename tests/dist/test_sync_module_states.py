@@ -63,9 +63,35 @@ def test_sync_module_states_trains_like_ddp_from_rank_0s_weights(mesh_shape):
         assert same, f"the sharded model drifted from DDP by {worst}"
 
 
-def test_without_sync_module_states_ranks_seeded_differently_differ_from_ddp():
-    # The guard for the test above: its model really starts from different values per rank.
-    assert not any(same for same, _ in get_pool(4).run(_train_like_ddp, (4,), False))
+def _first_forward_without_sync(mesh_shape: tuple[int, ...], what: str) -> str:
+    """Ranks seeded differently (the parameters, or only the buffers), no sync: the first
+    forward's check names the first differing tensor on every rank, before any training."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Shifted(6), _Shifted(6), nn.Linear(6, 3))
+    if what == "parameters":
+        model = _build_seeded_by_rank()
+    else:
+        with torch.no_grad():
+            model[1].shift.copy_(torch.randn(6, generator=torch.Generator().manual_seed(dist.get_rank())))
+    mesh = mesh_for(mesh_shape)
+    for block in model[:2]:
+        fshard.fully_shard(block, mesh=mesh)
+    fshard.fully_shard(model, mesh=mesh)
+    with pytest.raises(fshard.RankMismatchError) as caught:
+        model(torch.randn(4, 6))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_without_sync_module_states_ranks_seeded_differently_are_an_error_on_every_rank(mesh_shape):
+    """Issue 23, case 4: the model the ranks would train is none of theirs (DDP broadcasts rank
+    0's weights); the guard for the test above, too: its model really starts from different
+    values per rank."""
+    for message in get_pool(4).run(_first_forward_without_sync, mesh_shape, "parameters"):
+        assert "the ranks built different values: parameter '0.linear.weight' differs between rank 0" in message
+        assert "sync_module_states=True" in message and "torch.manual_seed" in message
+    for message in get_pool(4).run(_first_forward_without_sync, mesh_shape, "buffers"):
+        assert "the ranks built different values: buffer '1.shift' differs between rank 0" in message
 
 
 def _mismatched_models() -> str:
