@@ -21,8 +21,8 @@ from fshard._clip import track_unit
 from fshard._errors import ProblemList, first_few
 from fshard._mesh import MeshInfo, default_mesh, mesh_info
 from fshard._options import CPUOffload, MixedPrecision
-from fshard._param import ParamSlot, ShardedParameter, is_sharded
-from fshard._placement import ShardLayout, shard_layout
+from fshard._param import ParamSlot, ShardedParameter, is_sharded, local_rows
+from fshard._placement import shard_layout
 from fshard._runtime._hooks import register_unit
 from fshard._unit._group import ParamGroup, group_of
 from fshard._unit._registry import unit_of, units_under
@@ -288,9 +288,9 @@ def _make_unit(
         param._fshard_slot = slot  # type: ignore[attr-defined]  # mypy still sees nn.Parameter: the class changed on the line above
         if grad is not None:
             param.grad = None
-            slot.pending_grad = _local_rows(grad, layout)
+            slot.pending_grad = local_rows(grad, layout)
         slots.append(slot)
-    locals_ = [_local_rows(p.detach(), s.layout) for s, (_, p) in zip(slots, managed, strict=True)]
+    locals_ = [local_rows(p.detach(), s.layout) for s, (_, p) in zip(slots, managed, strict=True)]
     group = ParamGroup(
         modules[0],
         slots,
@@ -522,7 +522,3 @@ def device_problem(name: str, device: torch.device, mesh_device: torch.device) -
     )
 
 
-def _local_rows(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    if layout.replicated:
-        return full
-    return full.narrow(0, layout.row_offset, layout.local_shape[0])

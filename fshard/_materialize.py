@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fshard._errors import ProblemList, first_few
-from fshard._param import is_sharded, set_data
+from fshard._param import is_sharded, local_rows, set_data
 from fshard._unit._module_state_dict import allocate_meta_shards
 from fshard._unit._registry import units_under
 
@@ -299,7 +299,7 @@ def _init_module(
         with torch.no_grad():
             if is_sharded(param):
                 layout = param._fshard_slot.layout
-                local = value if layout.replicated else value.narrow(0, layout.row_offset, layout.local_shape[0])
+                local = local_rows(value, layout)
                 param.copy_(local.to(param.device))
             else:  # not sharded (ignored_params): the same object, now with real storage
                 set_data(param, value.detach().to(device))

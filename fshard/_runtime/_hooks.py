@@ -373,6 +373,42 @@ class _PreBackwardHook(_UnitHook):
     __call__ = torch.compiler.disable(_call_pre_backward)
 
 
+def _pre_forward_in_recompute(
+    group: ParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An activation checkpoint's recompute inside backward: gather and cast as the forward
+    did, but arm nothing, except, for a reentrant checkpoint's recompute of a forward that ran
+    without grad on inputs requiring it, the waiter that forward could not arm: the nested
+    backward that follows computes those inputs' gradients."""
+    group.unshard()
+    args, kwargs = _cast_inputs(group, args, kwargs)
+    if group.checkpointed_calls > 0 and torch.is_grad_enabled():
+        wrapped = _wrap_inputs(group, args, kwargs)
+        if wrapped is not None:
+            group.consume_segment()
+            return wrapped
+    return args, kwargs
+
+
+def _note_gradless_segment(
+    group: ParamGroup, root: RootState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A forward without grad inside a forward with grad, or on inputs requiring grad, and
+    within an autograd.Function's forward: a reentrant checkpoint's segment. Its recompute, if
+    one comes in backward, arms the waiter; until then the unit's backward is not done (every
+    rank alike). The claim lives on the Function's node, so it goes with a graph no backward
+    comes for (an evaluation with grad, a skipped step). (Under a plain torch.no_grad(), a
+    target computed by the model itself, no backward ever comes: the unit is freed as after
+    inference.)"""
+    ctx = None
+    if root._grad_forward_pending or _any_requires_grad(args, kwargs):
+        ctx = _autograd_function_ctx()
+    if ctx is not None:
+        root.note_run(group)
+        group.claim_segment(ctx)
+        group.backward_may_come = True
+
+
 def _pre_forward(
     group: ParamGroup, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -384,19 +420,7 @@ def _pre_forward(
         ensure_root_initialised(group)
     root = root_of(group)
     if in_backward():
-        # Activation-checkpoint recompute inside backward: gather and cast as the forward did,
-        # but arm nothing...
-        group.unshard()
-        args, kwargs = _cast_inputs(group, args, kwargs)
-        if group.checkpointed_calls > 0 and torch.is_grad_enabled():
-            # ...except, for a reentrant checkpoint's recompute of a forward that ran without
-            # grad on inputs requiring it, the waiter that forward could not arm: the nested
-            # backward that follows computes those inputs' gradients.
-            wrapped = _wrap_inputs(group, args, kwargs)
-            if wrapped is not None:
-                group.consume_segment()
-                return wrapped
-        return args, kwargs
+        return _pre_forward_in_recompute(group, args, kwargs)
     if root.root is group and not (
         group.training_state is TrainingState.FORWARD and group.forward_depth > 0
     ):
@@ -427,20 +451,7 @@ def _pre_forward(
             target.unshard(async_op=True)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
-        ctx = None
-        if root._grad_forward_pending or _any_requires_grad(args, kwargs):
-            ctx = _autograd_function_ctx()
-        if ctx is not None:
-            root.note_run(group)
-            # Without grad inside a forward with grad, or on inputs requiring grad, and within
-            # an autograd.Function's forward: a reentrant checkpoint's segment. Its recompute,
-            # if one comes in backward, arms the waiter; until then the unit's backward is not
-            # done (every rank alike). The claim lives on the Function's node, so it goes with
-            # a graph no backward comes for (an evaluation with grad, a skipped step). (Under a
-            # plain torch.no_grad(), a target computed by the model itself, no backward ever
-            # comes: the unit is freed as after inference.)
-            group.claim_segment(ctx)
-            group.backward_may_come = True
+        _note_gradless_segment(group, root, args, kwargs)
         return args, kwargs
     group.grad_forward_ran = True
     group.backward_may_come = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -17,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
 from fshard._errors import first_few
-from fshard._param import is_sharded
+from fshard._param import is_sharded, local_rows
 from fshard._unit._group import KEPT_GATHERED, ParamGroup, TrainingState
 from fshard._unit._registry import units_made
 
@@ -198,43 +199,43 @@ def _patch_grad_scaler() -> None:
     torch.amp.GradScaler.step = step  # type: ignore[method-assign]
 
 
-def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
-    """First step with sharded parameters: none may carry full-size state (returns whether
-    the optimizer has sharded parameters at all).
+@dataclasses.dataclass
+class _StepScan:
+    """What the first step's check found among an optimizer's parameters."""
 
-    An optimizer stepped *before* ``fully_shard`` holds state shaped like the full parameter;
-    torch would fail deep inside the update with a shape mismatch, or, for an optimizer that
-    broadcasts, update the shard with the wrong rows. State that an optimizer made in its
-    constructor (Adagrad's ``sum``, with ``step`` 0) was never stepped: it is the same on every
-    rank, so this rank's rows of it are its sharded state, and they replace it.
-    """
-    wrong = []
-    gathered = []
-    dtensors: list[str] = []
-    unowned: list[torch.Tensor] = []
-    sharded = False
-    split = False  # some parameter's rows are spread over ranks
-    data_parallel = 1
+    wrong: list[str] = dataclasses.field(default_factory=list)  # full-size state, stepped
+    gathered: list[str] = dataclasses.field(default_factory=list)  # unsharded copies, not shards
+    dtensors: list[str] = dataclasses.field(default_factory=list)  # DTensor state (a DCP load)
+    unowned: list[torch.Tensor] = dataclasses.field(default_factory=list)  # trainable, no unit
+    sharded: bool = False
+    split: bool = False  # some parameter's rows are spread over ranks
+    data_parallel: int = 1
+
+
+def _scan_params(optimizer: torch.optim.Optimizer) -> _StepScan:
+    """Look at every parameter the optimizer steps (never-stepped full-size state is cut to
+    this rank's rows on the way: see _check_state_is_sharded)."""
+    found = _StepScan()
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
             of = getattr(param, "_fshard_gathered_of", None)
             if of is not None:
-                gathered.append(repr(of_slot.fqn) if (of_slot := of()) is not None else "a parameter")
+                found.gathered.append(repr(of_slot.fqn) if (of_slot := of()) is not None else "a parameter")
                 continue
             slot = getattr(param, "_fshard_slot", None)
             if slot is None:
                 if param.requires_grad and not getattr(param, "_fshard_ignored", False):
-                    unowned.append(param)
+                    found.unowned.append(param)
                 continue
-            sharded = True
-            split = split or (slot.mesh_info.shard_size > 1 and not slot.layout.replicated)
-            data_parallel = max(data_parallel, slot.mesh_info.dp_size)
+            found.sharded = True
+            found.split = found.split or (slot.mesh_info.shard_size > 1 and not slot.layout.replicated)
+            found.data_parallel = max(found.data_parallel, slot.mesh_info.dp_size)
             if param not in optimizer.state:
                 continue
             layout = slot.layout
             state = optimizer.state[param]
             if any(isinstance(value, DTensor) for value in state.values()):
-                dtensors.append(slot.fqn)
+                found.dtensors.append(slot.fqn)
                 continue
             full_keys = [
                 key
@@ -247,26 +248,39 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
                 continue
             if never_stepped(state):
                 for key in full_keys:
-                    rows = state[key].narrow(0, layout.row_offset, layout.local_shape[0])
-                    state[key] = rows.clone()
+                    state[key] = local_rows(state[key], layout).clone()
             else:
-                wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
-    if gathered:
+                found.wrong.append(f"{slot.fqn!r} ({full_keys[0]} {list(layout.full_shape)})")
+    return found
+
+
+def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """First step with sharded parameters: none may carry full-size state (returns whether
+    the optimizer has sharded parameters at all).
+
+    An optimizer stepped *before* ``fully_shard`` holds state shaped like the full parameter;
+    torch would fail deep inside the update with a shape mismatch, or, for an optimizer that
+    broadcasts, update the shard with the wrong rows. State that an optimizer made in its
+    constructor (Adagrad's ``sum``, with ``step`` 0) was never stepped: it is the same on every
+    rank, so this rank's rows of it are its sharded state, and they replace it.
+    """
+    found = _scan_params(optimizer)
+    if found.gathered:
         raise ValueError(
-            f"the optimizer holds the gathered (full) copies of {first_few(gathered)}, which fshard puts in "
+            f"the optimizer holds the gathered (full) copies of {first_few(found.gathered)}, which fshard puts in "
             "the modules for a unit's forward and backward, not the sharded parameters: it was "
             "built while the model was gathered (after fshard.unshard, or inside a forward), "
             "and would never update the shards. Build it over model.parameters() outside "
             "forward and backward, or call fshard.reshard(model) first."
         )
-    if dtensors:
+    if found.dtensors:
         raise ValueError(
-            f"optimizer state of sharded parameter(s) {first_few(dtensors)} holds DTensors: "
+            f"optimizer state of sharded parameter(s) {first_few(found.dtensors)} holds DTensors: "
             "optimizer.load_state_dict loaded a state dict of fshard.optim_state_dict (or a "
             "DTensor checkpoint). Load those with fshard.load_optim_state_dict(model, "
             "optimizer, state_dict), which takes this rank's shards."
         )
-    whole = _looks_across_parameters(optimizer) if split else None
+    whole = _looks_across_parameters(optimizer) if found.split else None
     if whole is not None:
         name, why = whole
         raise TypeError(
@@ -274,23 +288,23 @@ def _check_state_is_sharded(optimizer: torch.optim.Optimizer) -> bool:
             "holds only some rows, so the ranks would take steps DDP would not. Use an "
             f"elementwise optimizer (SGD, Adam, AdamW, ...), or run {name} on an unsharded model."
         )
-    if sharded and unowned and data_parallel > 1:
+    if found.sharded and found.unowned and found.data_parallel > 1:
         # [Note: parameters no unit owns] A module outside every unit (the model's head and
         # final norm when fully_shard(model) was forgotten, or a wrapper's head around a sharded
         # inner model) trains on this rank's gradients only; DDP would average them, so the
         # ranks' copies drift apart, silently. Refused before the first update, on every rank
         # alike (each sees the same parameters); ignored_params says something else averages
         # them.
-        raise ValueError(_unowned_message(optimizer, unowned))
-    if wrong:
+        raise ValueError(_unowned_message(optimizer, found.unowned))
+    if found.wrong:
         raise ValueError(
-            f"optimizer state of sharded parameter(s) {first_few(wrong)} has the full parameter's shape: "
+            f"optimizer state of sharded parameter(s) {first_few(found.wrong)} has the full parameter's shape: "
             "the optimizer was stepped before fully_shard, or optimizer.load_state_dict loaded "
             "an unsharded run's state dict (or fshard.optim_state_dict(full=True)). Build the "
             "optimizer after sharding (or before, but step it only after), and move state with "
             "fshard.optim_state_dict / fshard.load_optim_state_dict."
         )
-    return sharded
+    return found.sharded
 
 
 def _unowned_message(optimizer: torch.optim.Optimizer, unowned: list[torch.Tensor]) -> str:

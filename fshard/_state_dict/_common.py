@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import first_few
 from fshard._mesh import MeshInfo, in_src_row, src_rank
-from fshard._param import ParamSlot
+from fshard._param import ParamSlot, all_gather_full, full_from_padded, padded_shard
 from fshard._unit._module_state_dict import full_tensor
 from fshard._unit._registry import unit_of, units_or_error
 
@@ -216,23 +216,13 @@ def gather_full(
         if rank0_only and not is_src:
             return None
         return local.detach().clone().view(layout.full_shape)
-    size = info.shard_size
-    device = info.device
-    padded = torch.zeros(layout.slot_numel, dtype=local.dtype, device=device)
-    padded[: layout.local_numel].copy_(local.detach().reshape(-1))
-    if rank0_only:
-        output = torch.empty(size * layout.slot_numel, dtype=local.dtype, device=device) if is_src else None
-        _collectives.gather_into(output, padded, src, info.shard_group, label=label)
-        del padded
-        if output is None:
-            return None
-    else:
-        output = torch.empty(size * layout.slot_numel, dtype=local.dtype, device=device)
-        _collectives.all_gather_into(output, padded, info.shard_group, label=label)
-        del padded
-    if output.numel() != layout.full_numel:
-        return output[: layout.full_numel].view(layout.full_shape)
-    return output.view(layout.full_shape)
+    if not rank0_only:
+        return all_gather_full(local, layout, info, label=label)
+    padded = padded_shard(local, layout, info.device)
+    output = torch.empty(info.shard_size * layout.slot_numel, dtype=local.dtype, device=info.device) if is_src else None
+    _collectives.gather_into(output, padded, src, info.shard_group, label=label)
+    del padded
+    return None if output is None else full_from_padded(output, layout)
 
 
 def plain_value(value: Any) -> Any:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from fshard import _collectives
 from fshard._errors import ProblemList, internal_error
 from fshard._mesh import in_src_row, replicate_src, src_rank
-from fshard._param import ParamSlot
+from fshard._param import ParamSlot, local_rows
 from fshard._runtime._optim_hooks import check_optimizer_state, never_stepped
 from fshard._state_dict._common import (
     Entry,
@@ -49,7 +49,7 @@ from fshard._state_dict._optim_checks import (
     meta_state,
     saved_by_name,
 )
-from fshard._unit._module_state_dict import as_dtensor, full_tensor, local_rows, same_layout
+from fshard._unit._module_state_dict import as_dtensor, full_tensor, same_layout
 
 __all__ = ["load_optim_state_dict", "optim_state_dict"]
 
@@ -559,10 +559,10 @@ def _local_state(
         elif same_layout(value, slot):
             local = value.to_local()
         else:
-            return local_rows(full_tensor(value), slot).clone()  # already a fresh tensor
+            return local_rows(full_tensor(value), slot.layout).clone()  # already a fresh tensor
     elif shard_shaped and value.shape == slot.layout.full_shape:  # type: ignore[union-attr]  # shard_shaped
         # A full tensor: keep only this rank's rows, never a view of the whole.
-        return local_rows(value, slot).clone()  # type: ignore[arg-type]  # shard_shaped
+        return local_rows(value, slot.layout).clone()  # type: ignore[union-attr]  # shard_shaped: slot is set
     elif shard_shaped:
         # check_state_shapes refused every other shape on every rank, before any loading.
         raise internal_error(

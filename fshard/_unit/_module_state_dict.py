@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fshard._collectives import on_any_rank
-from fshard._param import ParamSlot, set_data
+from fshard._param import ParamSlot, local_rows, set_data
 from fshard._unit._group import ParamGroup, ShardedState, TrainingState, group_of
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "foreign_shard",
     "free_for_load",
     "full_tensor",
-    "local_rows",
     "local_shard",
     "on_module_load_state_dict",
     "on_module_state_dict",
@@ -155,13 +154,6 @@ def as_dtensor(slot: ParamSlot, local: torch.Tensor) -> DTensor:
     )
 
 
-def local_rows(full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    layout = slot.layout
-    if layout.replicated:
-        return full
-    return full.narrow(0, layout.row_offset, layout.local_shape[0])
-
-
 def on_slot_mesh(value: DTensor, slot: ParamSlot) -> bool:
     """Whether ``value`` has the param's mesh and placements."""
     info = slot.mesh_info
@@ -210,8 +202,8 @@ def shard_of(value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     if isinstance(value, DTensor):
         if same_layout(value, slot):
             return value.to_local()
-        return local_rows(full_tensor(value), slot).clone()
-    return local_rows(value, slot)
+        return local_rows(full_tensor(value), slot.layout).clone()
+    return local_rows(value, slot.layout)
 
 
 def full_tensor(value: DTensor) -> torch.Tensor:
@@ -323,7 +315,7 @@ def on_module_load_state_dict(
         elif isinstance(value, DTensor):
             state_dict[key] = shard_of(value, slot)
         elif isinstance(value, torch.Tensor) and value.shape == slot.layout.full_shape:
-            state_dict[key] = local_rows(value, slot)
+            state_dict[key] = local_rows(value, slot.layout)
         elif isinstance(value, torch.Tensor):
             hint = ""
             if value.shape == slot.sharded_param.shape:
