@@ -149,7 +149,7 @@ def strategy_kwargs(
 def _check_device_type(device_type: object, where: str) -> None:
     """A device type torch knows and this machine has (checked before a mesh is built on it)."""
     try:
-        device = torch.device(device_type)  # type: ignore[call-overload]
+        device = torch.device(device_type)  # type: ignore[call-overload]  # any object: torch says what it rejects
     except (RuntimeError, TypeError):
         raise ValueError(
             f"{where}: device_type must name a torch device type ('cpu', 'cuda', ...), got "

@@ -45,7 +45,7 @@ def _autograd_function_ctx() -> torch.autograd.function.FunctionCtx | None:
             first = frame.f_locals.get(code.co_varnames[0])  # (modules' forwards skipped)
             if isinstance(first, torch.autograd.function.FunctionCtx):
                 return first
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the loop; typeshed types f_back as FrameType
     return None
 
 

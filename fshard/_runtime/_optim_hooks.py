@@ -196,7 +196,7 @@ def _patch_grad_scaler() -> None:
         return original(self, optimizer, *args, **kwargs)
 
     _SCALER_PATCHED.append(original)
-    torch.amp.GradScaler.step = step  # type: ignore[method-assign]
+    torch.amp.GradScaler.step = step  # type: ignore[method-assign]  # the patch itself: see the Note above
 
 
 @dataclasses.dataclass

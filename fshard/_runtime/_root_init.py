@@ -338,10 +338,10 @@ def _validate_across_ranks(root: ParamGroup, groups: list[ParamGroup]) -> None:
                 )
                 mine = ref_rows[index] if index < len(ref_rows) else None
                 theirs = other[index] if index < len(other) else None
-                if index == 0:  # the roots differ
+                if index == 0 and mine is not None and theirs is not None:  # the roots differ
                     raise RankMismatchError(
                         f"the ranks' first forwards started at different units: rank {ref_rank} "
-                        f"at a {mine[1]}, rank {rank} at a {theirs[1]}. The first unit to run "  # type: ignore[index]
+                        f"at a {mine[1]}, rank {rank} at a {theirs[1]}. The first unit to run "
                         "becomes the root of the units inside it, so a block called on its own "
                         "first (on some ranks) takes the root's place there. Run the model's "
                         "own forward first, on every rank, before calling a part of it."
