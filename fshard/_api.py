@@ -147,7 +147,7 @@ def fully_shard(
     modules, where = _unit_modules(module)
     _check_arguments(modules, where, reshard_after_forward, mp_policy, offload_policy, sync_module_states)
     info = mesh_info(mesh if mesh is not None else default_mesh(where), where)
-    reshard_after_forward = _post_forward_setting(reshard_after_forward, info, where)
+    reshard_after_forward = post_forward_setting(reshard_after_forward, info, where)
     ignored_list = ignored_param_list(ignored_params, where)
     managed = _params_to_shard(modules, {id(p) for p in ignored_list}, info, where)
     if sync_module_states:
@@ -385,7 +385,7 @@ def _named_buffers(modules: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor
                 yield prefix + name, buffer
 
 
-def _post_forward_setting(value: bool | int, info: MeshInfo, where: str) -> bool | int:
+def post_forward_setting(value: bool | int, info: MeshInfo, where: str) -> bool | int:
     """``reshard_after_forward`` checked against the mesh: a bool, or an int dividing the shard
     dimension's size (its size is ``True``, 1 is ``False``)."""
     if isinstance(value, bool):

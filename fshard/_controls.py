@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fshard import _collectives
-from fshard._api import _post_forward_setting
+from fshard._api import post_forward_setting
 from fshard._errors import RankMismatchError
 from fshard._mesh import MeshInfo
 from fshard._options import BackwardPrefetch
@@ -158,7 +158,7 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool | i
             f"reshard to after forward), got {reshard_after_forward!r}"
         )
     groups = units_or_error(module, where)
-    settings = [_post_forward_setting(reshard_after_forward, g.mesh_info, where) for g in groups]
+    settings = [post_forward_setting(reshard_after_forward, g.mesh_info, where) for g in groups]
     for group, setting in zip(groups, settings, strict=True):
         group.reshard_after_forward = setting
 

@@ -207,7 +207,7 @@ def hook_forward_method(group: ParamGroup, module: nn.Module, name: str) -> None
         if changed is not None:
             args, kwargs = changed
         root = unit.root
-        before = (root.grad_forwards, root._grad_forward_pending) if isinstance(root, RootState) else None
+        before = (root.grad_forwards, root.grad_forward_pending) if isinstance(root, RootState) else None
         try:
             output = original(*args, **kwargs)
         except BaseException:
@@ -240,7 +240,7 @@ def _release_after_gradless_call(root: RootState, before: tuple[int, bool], outp
     for group in root.groups:
         if group.training_state is TrainingState.IDLE and (group.is_hidden() or group.holds_kept_rows()):
             group.reshard()
-    root._grad_forward_pending = pending
+    root.grad_forward_pending = pending
 
 
 # (Eager under torch.compile, as the hooks are: see _UncompiledUnitHook.)
@@ -401,7 +401,7 @@ def _note_gradless_segment(
     target computed by the model itself, no backward ever comes: the unit is freed as after
     inference.)"""
     ctx = None
-    if root._grad_forward_pending or _any_requires_grad(args, kwargs):
+    if root.grad_forward_pending or _any_requires_grad(args, kwargs):
         ctx = _autograd_function_ctx()
     if ctx is not None:
         root.note_run(group)
@@ -514,7 +514,7 @@ def _post_forward(
         # Keep it gathered instead; the end of the backward reduces and frees it.
         keep = True
     if grad_enabled:
-        hook = _PreBackwardHook(group, group._forward_versions, root.steps)
+        hook = _PreBackwardHook(group, group.forward_versions, root.steps)
         for leaf in leaves:
             if leaf.requires_grad and id(leaf) not in handed_back:
                 leaf.register_hook(hook)
@@ -571,7 +571,7 @@ def _pre_backward(
     if step != root.steps:
         _pre_backward_of_earlier_graph(group, root)
         return None
-    if group._reduced or group._freed_in_backward:
+    if group.grads_reduced or group.freed_in_backward:
         # Its backward is over here: every gradient arrived (it was freed, on the ranks where
         # the count is complete) or it was reduced. A later hook (an output made before its
         # params were read, an input kept in an attribute) needs no params, and gathering
@@ -600,12 +600,12 @@ def _pre_backward_of_earlier_graph(group: ParamGroup, root: RootState) -> None:
     of arrived gradients), then nothing frees or reduces the unit early.
     """
     root.ensure_final_callback()
-    if group.earlier_graph and not group._reduced:
+    if group.earlier_graph and not group.grads_reduced:
         return  # gathered for such a graph in this backward, and kept
     group.earlier_graph = True
     group.backward_may_come = True
-    group._reduced = False
-    group._freed_in_backward = False
+    group.grads_reduced = False
+    group.freed_in_backward = False
     group.reshard()
     group.pre_backward()
 

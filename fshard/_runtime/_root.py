@@ -71,7 +71,7 @@ class RootState:
         self._check_every_step = debug_checks()
         _collectives.refresh_debug()
         self._checking = True  # until the first backward's check, or always with FSHARD_DEBUG
-        self._grad_forward_pending = False
+        self.grad_forward_pending = False
         self.warned_sharded_use = False  # see _used_while_sharded in _group
         self.hidden_kept = False  # some unit is kept gathered but hidden (see on_root_pre_forward)
         self.grad_forwards = 0  # unit forwards run with grad (see register_forward_method)
@@ -107,7 +107,7 @@ class RootState:
                 ):
                     group.reshard()  # (also the rows a reshard_after_forward=<int> unit kept)
         if torch.is_grad_enabled():
-            self._grad_forward_pending = True
+            self.grad_forward_pending = True
         if not self._recorded and torch.is_grad_enabled():
             self._recording = True
             self.forward_order = []
@@ -127,7 +127,7 @@ class RootState:
         self._departed = False
         # Free what was prefetched for a unit that then did not run (a skipped block, a wrong
         # explicit list): no backward gathers it; after an inference forward, free everything.
-        inference = not torch.is_grad_enabled() and not self._grad_forward_pending
+        inference = not torch.is_grad_enabled() and not self.grad_forward_pending
         for group in self.groups:
             if group.sharded_state is not ShardedState.SHARDED and (
                 inference or not group.ran_since_backward or group.deferred_reshard
@@ -148,7 +148,7 @@ class RootState:
                 # Kept for backward; until then the modules show the shards (hide_unsharded).
                 group.hide_unsharded()
                 self.hidden_kept = True
-        if self._check_every_step and not self._grad_forward_pending:
+        if self._check_every_step and not self.grad_forward_pending:
             self.check_collective_order("forward")  # inference: no backward will check
 
     def _next_step(self) -> None:
@@ -377,9 +377,9 @@ class RootState:
                 # a param used on some ranks only.
                 if syncing and (
                     group.has_unsharded_grads()
-                    or (group.backward_may_come and not group._reduced)
+                    or (group.backward_may_come and not group.grads_reduced)
                 ):
-                    group._reduced = True
+                    group.grads_reduced = True
                     group.reduce_grads()
                 elif not syncing:
                     group.accumulate_unsynced_grads()  # units whose grads did not all arrive
@@ -393,7 +393,7 @@ class RootState:
                     if group.has_unreduced_grads():
                         _UNSYNCED.add(group)
                 group.end_backward()
-            self._grad_forward_pending = False
+            self.grad_forward_pending = False
             self._parked = []
             self._next_step()
             self.hidden_kept = False  # every unit was freed
@@ -419,7 +419,7 @@ class RootState:
             " (the sums of earlier no_sync micro-batches stay)" if any(holding) else "",
         )
         self._callback_queued = False
-        self._grad_forward_pending = False
+        self.grad_forward_pending = False
         self._parked = []
         self._next_step()
         pending, self._pending_reduces = self._pending_reduces, []

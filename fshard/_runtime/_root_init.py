@@ -36,7 +36,7 @@ def init_root(group: ParamGroup) -> None:
         _init_root(group, module, groups)
     finally:
         for g in shown:
-            g._register_unsharded()
+            g.register_unsharded()
 
 
 def _init_root(group: ParamGroup, module: nn.Module, groups: list[ParamGroup]) -> None:

@@ -105,8 +105,8 @@ class UnitBackward:
         # claims with it (a count would hold the unit gathered through the next step's
         # backward).
         self._segments: weakref.WeakSet[_SegmentClaim] = weakref.WeakSet()
-        self._reduced = False
-        self._freed_in_backward = False
+        self.grads_reduced = False
+        self.freed_in_backward = False
         self.backward_task: int | None = None  # autograd graph task of its first pre-backward
         self._nested_grads = False  # some gradient arrived in another (nested) graph task
         self.ran_since_backward = False  # its forward ran since the last backward (prefetch frees)
@@ -168,7 +168,7 @@ class UnitBackward:
         if all(w.ready for w in self._waiters):
             self.post_backward()
             self._maybe_finish_backward()  # reduced already (end of a retained backward): free
-        elif not self.parked and not self._reduced:
+        elif not self.parked and not self.grads_reduced:
             self.parked = True
             root = self.root
             if root is not None:
@@ -183,7 +183,7 @@ class UnitBackward:
         frozen teacher). Should its backward come all the same (a reentrant checkpoint's
         recompute, a tensor that reached the forward another way), that gathers the unit
         itself. Decided by the forwards that ran, which every rank runs alike."""
-        if self._reduced:
+        if self.grads_reduced:
             return False
         return (
             not self.ran_since_backward
@@ -215,7 +215,7 @@ class UnitBackward:
         if self.earlier_graph or self._frozen_or_nested_keep() or not all(w.ready for w in self._waiters):
             return  # (the backward of a call with such inputs may still read the params)
         self.free_after_backward()
-        self._freed_in_backward = True
+        self.freed_in_backward = True
 
     def _frozen_or_nested_keep(self) -> bool:
         """For a unit without inputs requiring grad: whether its params must stay unsharded
@@ -233,15 +233,15 @@ class UnitBackward:
         return self._nested_grads or self.checkpointed_calls > 0
 
     def _maybe_finish_backward(self) -> None:
-        grads_done = self._reduced or self.num_grad_params == 0
+        grads_done = self.grads_reduced or self.num_grad_params == 0
         waiting = len(self._waiters) > 0
         if not grads_done or (waiting and not all(w.ready for w in self._waiters)):
             return
         if self.checkpointed_calls > 0 or (not waiting and self._frozen_or_nested_keep()):
             return  # (a recompute to come, frozen params or a nested backward may read them)
         self.free_after_backward()
-        if not self._freed_in_backward:
-            self._freed_in_backward = True
+        if not self.freed_in_backward:
+            self.freed_in_backward = True
             root = self.root
             if root is not None:  # BACKWARD_POST prefetch: once this unit is freed
                 root.on_unit_backward_done(self)

@@ -279,7 +279,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         unsharded. Not for a unit whose backward is over (reduced, or freed once every
         gradient arrived): gathering again on some ranks only would leave collectives
         unpaired."""
-        if self._reduced or self._freed_in_backward:
+        if self.grads_reduced or self.freed_in_backward:
             raise self._state_error("pre_backward", "a unit whose backward is not over")
         if self.training_state is TrainingState.PRE_BACKWARD and (
             self.sharded_state is ShardedState.UNSHARDED
@@ -328,7 +328,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         # The shards' version counters when the latest forward with grad read them: a backward
         # of that forward (or of an older, retained graph) checks them. Noted per slot, so a
         # forward before a rebuild has no say.
-        self._forward_versions: tuple[int, ...] | None = None
+        self.forward_versions: tuple[int, ...] | None = None
         self._versions_at_gather: tuple[int, ...] | None = None  # the shards' when gather issued
         for slot in self.slots:
             ensure_grad_hooks(self, slot, self._grad_hook_handles)
@@ -372,7 +372,7 @@ class ParamGroup(UnitBackward, UnitGrads):
     def unshard(self, async_op: bool = False) -> None:
         """SHARDED -> UNSHARDING (-> UNSHARDED unless ``async_op``): all-gather every bucket."""
         if (self.is_hidden() or self.sharded_state is ShardedState.UNSHARDING) and (
-            self._versions_at_gather != self._shard_versions()
+            self._versions_at_gather != self.shard_versions()
             or not all(b.is_packed() for b in self.buckets)
         ):
             # Kept from a forward whose backward has not run, or prefetched by one (a unit
@@ -392,7 +392,7 @@ class ParamGroup(UnitBackward, UnitGrads):
             return
         kept = self._kept_rows
         if kept is not None and (
-            kept.versions != self._shard_versions() or not all(b.is_packed() for b in self.buckets)
+            kept.versions != self.shard_versions() or not all(b.is_packed() for b in self.buckets)
         ):
             self.drop_kept_rows()  # the shards changed since: gather them
             kept = None
@@ -400,7 +400,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         with phase(f"fshard::unshard({self.trace_name})"):
             self._pending_gather = self._issue_all_gathers(kept, async_op)
             # What the gather reads: the shards, or rows kept from when the forward read them.
-            self._versions_at_gather = kept.versions if kept is not None else self._shard_versions()
+            self._versions_at_gather = kept.versions if kept is not None else self.shard_versions()
             self.sharded_state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -439,7 +439,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         """UNSHARDING -> UNSHARDED: wait for the all-gathers and register the full params."""
         if self.sharded_state is ShardedState.UNSHARDED:
             if not self.unsharded_registered:
-                self._register_unsharded()
+                self.register_unsharded()
             return
         if self.sharded_state is not ShardedState.UNSHARDING:
             raise self._state_error(
@@ -461,14 +461,14 @@ class ParamGroup(UnitBackward, UnitGrads):
             self._pending_gather = []
             if from_kept:
                 self.drop_kept_rows()  # gathered again: the full params hold them now
-            self._register_unsharded()
+            self.register_unsharded()
             self._note_unsharded_versions()
         self.sharded_state = ShardedState.UNSHARDED
 
-    def _shard_versions(self) -> tuple[int, ...]:
+    def shard_versions(self) -> tuple[int, ...]:
         return tuple(s.sharded_param._version for s in self.slots)
 
-    def _register_unsharded(self) -> None:
+    def register_unsharded(self) -> None:
         """Put the unsharded params in the modules (with the shards' ``requires_grad``)."""
         num_grad_params = 0
         for slot in self.slots:
@@ -551,7 +551,7 @@ class ParamGroup(UnitBackward, UnitGrads):
 
     def note_forward_versions(self) -> None:
         """Remember the shards' version counters as a forward with grad reads them."""
-        self._forward_versions = self._shard_versions()
+        self.forward_versions = self.shard_versions()
 
     def check_unchanged_since_forward(self, before: tuple[int, ...] | None) -> None:
         """Raise if a shard was modified in place since the forward (whose version counters
@@ -620,7 +620,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         rows: list[torch.Tensor | None] = [
             None if b.aliased else b.post_forward_rows(target.rank, target.size) for b in self.buckets
         ]
-        versions = self._versions_at_gather or self._shard_versions()
+        versions = self._versions_at_gather or self.shard_versions()
         self.reshard()
         nbytes = sum(r.numel() * r.element_size() for r in rows if r is not None)
         GATHERED.add(nbytes)
@@ -702,7 +702,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         """Start gathering this unit for its backward, unless that is over already (the order
         of this step's forward differs from the recorded one). Decided by what every rank
         knows alike: whether the unit was reduced, not whether it was freed early."""
-        if not self._reduced:
+        if not self.grads_reduced:
             self.unshard(async_op=True)
 
     def post_backward(self) -> None:
@@ -711,9 +711,9 @@ class ParamGroup(UnitBackward, UnitGrads):
         Done when its forward inputs' gradients are ready, the same moment on every rank (a
         count of arrived gradients is not: an expert routed to on some ranks only); a unit
         without such inputs is reduced by the end-of-backward callback instead."""
-        if self._reduced:
+        if self.grads_reduced:
             return
-        self._reduced = True
+        self.grads_reduced = True
         self.parked = False
         # Free the unsharded params first if nothing else needs them, so that the reduce's
         # full-size input does not coexist with them (the backward's peak: unsharded params,
