@@ -161,12 +161,13 @@ _HINT = (
     "set_requires_gradient_sync change what the backward does). Every rank must run each "
     "unit's forward and backward the "
     "same way: where a unit's output is unused on a rank, add 0 * output.sum() to that rank's "
-    "loss. Where the ranks issue equally many collectives (different units, or another order), "
-    "FSHARD_DEBUG=1 compares them after every backward and names the first difference; where "
-    "one rank issues more (a unit skipped on some ranks, a rank that stopped), the ranks wait "
-    "until this timeout, and the unit named here is the clue."
-)
+    "loss. FSHARD_DEBUG=1 makes the ranks agree on every collective before issuing it and "
+    "names the first difference; a rank that waits FSHARD_HANG_CHECK_S seconds (default 30) in "
+    "one collective looks where its peers are and names where each one is.")
 
+
+# Labels of fshard's own cross-rank checks (not a unit's collectives, not a user's call).
+_CHECK_LABELS = frozenset({"check_collective_order", "check_unit_order", "root_init", "set_prefetch"})
 
 # Labels of the collectives that fshard's functions (not a unit's forward or backward) issue.
 _API_LABELS = (
@@ -264,7 +265,8 @@ def _issue(op: str, group: dist.ProcessGroup | None, label: str) -> _hang.Where:
     fshard can see a mismatch coming (see [Note: the hang check])."""
     key = _group_key(group)
     api = label.split("(")[0].split(":")[0] if label.startswith(_API_LABELS) else None
-    where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(api is None), unit=api is None)
+    unit = api is None and label not in _CHECK_LABELS
+    where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(unit), unit=unit)
     entering = api is not None and _LAST_API.get(key) != api and not api.startswith(_NO_RENDEZVOUS)
     _LAST_API[key] = api
     departure = _AGREE_NEXT[0]

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fshard
 from fshard._api import device_problem
-from fshard.testing import RankDied, RankPool, RanksFailed, RankTimeout, get_pool, mesh_for
+from fshard.testing import RankPool, RanksFailed, get_pool, mesh_for
 from tests.dist.probes import rank_mismatch_messages
 
 
@@ -621,45 +621,179 @@ def test_ignored_params_are_left_alone():
 # --------------------------------------------------------------------- dead and stuck ranks
 
 
-def _die_in_training():
-    model = _mlp()
-    fshard.fully_shard(model, mesh=mesh_for((2,)))
-    model(torch.randn(2, 5)).sum().backward()
-    if dist.get_rank() == 1:
-        os._exit(7)
-    model(torch.randn(2, 5)).sum().backward()  # rank 0 waits for a peer that is gone
+def _run_children(case: str, tmp_path, check_s: float = 1.0, world: int = 2) -> dict[int, dict]:
+    """Run ``tests/dist/_hang_child.py CASE`` as ``world`` processes (not the rank pool: a rank
+    must really exit); return each surviving rank's JSON line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FSHARD_HANG_CHECK_S=str(check_s), PYTHONPATH=str(root))
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.dist._hang_child", case, store, str(rank), str(world)],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(world)
+    ]  # fmt: skip
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        for line in out.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                results[row["rank"]] = row
+        assert proc.returncode in (0, 7), err[-2000:]
+    return results
 
 
-def test_a_dead_rank_is_a_failure_not_a_hang():
-    pool = RankPool(2, timeout=60, pg_timeout=20)
-    try:
-        start = time.monotonic()
-        with pytest.raises(RankDied, match=r"rank\(s\) \[1\] died .*exit codes \{1: 7\}"):
-            pool.run(_die_in_training)
-        assert time.monotonic() - start < 30
-        assert pool.run(dist.get_rank) == [0, 1]  # restarted on next use
-    finally:
-        pool.close()
+def test_a_dead_rank_is_a_collective_error_on_the_survivor_not_a_hang(tmp_path):
+    """Rank 1 exits mid-training (os._exit): rank 0, in its next all-gather, gets fshard's
+    CollectiveError within seconds (its peer stopped answering: gloo's own error, or the hang
+    check that finds no heartbeat), never the process group's 30-minute timeout."""
+    results = _run_children("dead", tmp_path)
+    survivor = results[0]
+    assert survivor["is_collective_error"], survivor
+    assert "fshard:" in survivor["message"] and "the all_gather of " in survivor["message"], survivor["message"]
+    assert survivor["seconds"] < 20, survivor
+
+
+def test_a_rank_that_stops_early_is_a_collective_error_naming_it(tmp_path):
+    """Rank 1 stops after one step (returns and exits); rank 0's next all-gather waits, then
+    the hang check finds rank 1 gone and raises, naming the collective it waited in."""
+    results = _run_children("stopped", tmp_path)
+    survivor = results[0]
+    assert survivor["is_collective_error"], survivor
+    message = survivor["message"]
+    assert "hang check" in message or "failed" in message, message
+    assert "the all_gather of " in message and "'<root>'" in message, message
+    assert survivor["seconds"] < 20, survivor
 
 
 def _skip_a_collective():
+    os.environ["FSHARD_HANG_CHECK_S"] = "1"
     model = _mlp()
     fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(2, 5)).sum().backward()
     if dist.get_rank() == 0:
-        model(torch.randn(2, 5)).sum().backward()
-    return True
+        model(torch.randn(2, 5)).sum().backward()  # rank 1 skips this step
+    else:
+        fshard.full_state_dict(model)  # and meets rank 0 in another collective
 
 
-def test_a_rank_that_skips_a_collective_times_out():
-    pool = RankPool(2, pg_timeout=5)
+def test_a_rank_that_skips_a_collective_is_a_collective_error_on_every_rank():
+    """Rank 1 skips a step's forward and backward and calls full_state_dict while rank 0
+    trains: both wait in different collectives; the hang check names both on every rank, in
+    seconds (it waited the process group's timeout before)."""
+    _all_ranks_raise(
+        2,
+        _skip_a_collective,
+        error=fshard.CollectiveError,
+        match=lambda m: "full_state_dict" in m and "the all_gather of unit '<root>'" in m,
+    )
+
+
+def _slow_peer(logs: bool):
+    """Rank 1 sleeps for 3x the hang-check interval in its own code between steps (a slow
+    checkpoint write): rank 0 waits, logs once whom it waits for, and nothing raises."""
+    import logging
+
+    os.environ["FSHARD_HANG_CHECK_S"] = "1"
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fshard").addHandler(handler)
     try:
-        pool.start()  # not timed: importing torch takes long on some machines (CUDA builds)
-        start = time.monotonic()
-        with pytest.raises((RankTimeout, RanksFailed)):
-            pool.run(_skip_a_collective, timeout=20)
-        assert time.monotonic() - start < 30
+        model = _mlp()
+        fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+        fshard.fully_shard(model, mesh=mesh_for((2,)))
+        for step in range(3):
+            if dist.get_rank() == 1 and step == 1:
+                time.sleep(3.0)
+            model(torch.randn(2, 5)).sum().backward()
     finally:
-        pool.close()
+        logging.getLogger("fshard").removeHandler(handler)
+    return [r for r in records if "waiting on" in r]
+
+
+def test_a_slow_peer_is_never_an_error_only_logged_once():
+    waiting = get_pool(2).run(_slow_peer, True)
+    assert waiting[1] == []
+    assert len(waiting[0]) == 1, waiting[0]
+    assert "rank 1 is outside fshard's collectives" in waiting[0][0]
+    assert "its last fshard collective was the " in waiting[0][0]
+
+
+def _state_dict_on_rank_0_only():
+    os.environ["FSHARD_HANG_CHECK_S"] = "1"
+    model = _mlp()
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(2, 5)).sum().backward()
+    if dist.get_rank() == 0:
+        fshard.full_state_dict(model)  # the classic `if rank == 0: save(...)`
+    model(torch.randn(2, 5)).sum().backward()
+
+
+def test_full_state_dict_on_rank_0_only_is_a_collective_error_on_every_rank():
+    """Issue 23, case 3: both ranks waited the process group's timeout (30 minutes)."""
+    errors = _all_ranks_raise(
+        2,
+        _state_dict_on_rank_0_only,
+        error=fshard.CollectiveError,
+        match=lambda m: "full_state_dict(0.weight)" in m and "the all_gather of unit '<root>'" in m,
+    )
+    assert "rank 0 is in the agreement before the gather of 'full_state_dict(0.weight)'" in str(errors[1])
+
+
+def _full_tensor_on_one_rank():
+    os.environ["FSHARD_HANG_CHECK_S"] = "1"
+    model = _mlp()
+    fshard.fully_shard(model[0], mesh=mesh_for((2,)))
+    fshard.fully_shard(model, mesh=mesh_for((2,)))
+    model(torch.randn(2, 5)).sum().backward()
+    if dist.get_rank() == 1:
+        model[0].weight.full_tensor()  # rank 1 only
+    model(torch.randn(2, 5)).sum().backward()
+
+
+def test_full_tensor_on_one_rank_is_a_collective_error_on_every_rank():
+    """It killed rank 0 inside gloo ("Received data size doesn't match expected size") while
+    rank 1's error named an unrelated unit."""
+    _all_ranks_raise(
+        2,
+        _full_tensor_on_one_rank,
+        error=fshard.CollectiveError,
+        match=lambda m: "full_tensor" in m and "hang check" in m,
+    )
+
+
+def _debug_names_the_mismatch_before_it_runs():
+    os.environ["FSHARD_DEBUG"] = "1"
+    try:
+        model = _routed_model()
+        model(torch.randn(3, 6)).sum().backward()
+        route = "first" if dist.get_rank() == 0 else "second"
+        with fshard.testing.trace_collectives() as records:
+            try:
+                model(torch.randn(3, 6), route).sum().backward()
+            except fshard.CollectiveError as exc:
+                issued = [(r.op, r.label) for r in records if r.op == "all_gather"]
+                return str(exc), issued
+    finally:
+        del os.environ["FSHARD_DEBUG"]
+    return None, []
+
+
+def test_fshard_debug_names_a_mismatch_before_the_mismatched_collective_runs():
+    for message, issued in get_pool(2).run(_debug_names_the_mismatch_before_it_runs):
+        assert message is not None and "were about to issue different collectives" in message, message
+        assert "'layers.1'" in message and "'layers.2'" in message, message
+        # Neither rank issued the all-gather of the unit only it ran.
+        assert ("all_gather", "layers.1") not in issued or ("all_gather", "layers.2") not in issued
 
 
 # ------------------------------------------------------- ranks that run different units
