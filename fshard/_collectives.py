@@ -230,9 +230,10 @@ def wait(work: dist.Work | None, *, op: str, label: str) -> None:
 # Work's id; the Work is held with it so that the id stays its own until the wait.
 _ISSUED: dict[int, tuple[_hang.Where, dist.ProcessGroup | None, dist.Work]] = {}
 _GROUP_KEYS: dict[dist.ProcessGroup | None, str] = {}
-# Where the next collective must first be agreed with the peers (a departure from the recorded
-# order of units: see agree_before_next), and which API the last collective on a group was for.
-_AGREE_NEXT: list[str | None] = [None]
+# The groups whose next collective must first be agreed with the peers (a departure from the
+# recorded order of units: see agree_before_next), and which API the last collective on a group
+# was for.
+_AGREE_NEXT: dict[str, str] = {}
 _LAST_API: dict[str, str | None] = {}
 # API calls issued every step, which the rendezvous would slow: they come after the backward's
 # collectives that already paired (a rank that skipped them waits in its next one instead).
@@ -244,13 +245,16 @@ def reset_hang_state() -> None:
     between tasks, whose collectives a failed task may have left unequal)."""
     _hang.reset()
     _LAST_API.clear()
-    _AGREE_NEXT[0] = None
+    _AGREE_NEXT.clear()
 
 
-def agree_before_next(reason: str) -> None:
-    """Make this rank agree with its peers, through the store, before its next collective
-    (``reason`` says why: its units departed from the order of the first step)."""
-    _AGREE_NEXT[0] = reason
+def agree_before_next(reason: str, groups: list[dist.ProcessGroup]) -> None:
+    """Make this rank agree with its peers, through the store, before its next collective on
+    each of ``groups`` (``reason`` says why: its units departed from the order of the first
+    step). Each group agrees on its own next collective: the ranks of a 2D mesh reach their
+    groups in different orders."""
+    for group in groups:
+        _AGREE_NEXT[_group_key(group)] = reason
 
 
 def _group_key(group: dist.ProcessGroup | None) -> str:
@@ -269,14 +273,13 @@ def _issue(op: str, group: dist.ProcessGroup | None, label: str) -> _hang.Where:
     where = _hang.Where(op, label, key, _hang.next_seq(key), _hang.phase(unit), unit=unit)
     entering = api is not None and _LAST_API.get(key) != api and not api.startswith(_NO_RENDEZVOUS)
     _LAST_API[key] = api
-    departure = _AGREE_NEXT[0]
+    departure = _AGREE_NEXT.pop(key, None) if _AGREE_NEXT else None
     reason = "units departed from the first step's order" if departure is not None else None
     if reason is None and entering:
         reason = f"{api} is collective"
     elif reason is None and _DEBUG[0]:
         reason = "FSHARD_DEBUG=1"
     if reason is not None and "," in key:
-        _AGREE_NEXT[0] = None
         with _failure_context(op, label):
             _hang.rendezvous(where, group, reason, topic=departure)
     return where

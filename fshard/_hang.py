@@ -432,8 +432,8 @@ def rendezvous(where: Where, group: dist.ProcessGroup | None, reason: str, topic
                 looked = time.monotonic()
                 if problems:
                     raise _verdict(where, problems, looked - start)
-                if not slow and topic != _DEPARTURE[0]:
-                    break  # every peer is in this very collective, issued: agreed
+                if not slow:
+                    break  # every peer without a key is in this very collective, issued alike
     finally:
         _AGREEING_ON[0] = None
     if not differ:

@@ -178,7 +178,7 @@ class RootState:
     def _depart(self, why: str) -> None:
         self._departed = True
         _hang.set_departure(why)
-        _collectives.agree_before_next(why)
+        _collectives.agree_before_next(why, self._process_groups)
 
     def record(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:

@@ -24,7 +24,7 @@ from torch import nn
 
 import fshard
 from fshard._unit._registry import unit_of  # prefetch defaults: UnitInfo does not show them
-from fshard.testing import assert_equivalent_to_ddp, get_pool
+from fshard.testing import RanksFailed, assert_equivalent_to_ddp, get_pool
 from tests.accelerate_samples import sample
 
 WORLD = 2
@@ -209,13 +209,17 @@ def _bf16_units_and_losses(config: dict[str, Any], expect: Expect) -> list[float
     return losses
 
 
-def test_without_sync_ranks_keep_their_own_weights() -> None:
+def test_without_sync_ranks_that_built_different_weights_are_an_error() -> None:
     # The control for the two tests above: with different initial weights and no broadcast,
-    # fshard does not match DDP, so those tests do detect a missing sync.
+    # the first forward refuses to train (it trained a model none of the ranks built: issue 23,
+    # case 4), so those tests do detect a missing sync.
     config = sample("notes", mixed_precision="no")
     config["fsdp_config"].update(fsdp_sync_module_states=False, fsdp_cpu_ram_efficient_loading=False)
-    with pytest.raises(AssertionError, match="differs from DDP"):
+    with pytest.raises(RanksFailed) as info:
         check_equivalent(config, Expect(LAYERS, forward_prefetch=False), per_rank_init=True)
+    for exc in info.value.errors.values():
+        assert isinstance(exc, fshard.RankMismatchError), exc
+        assert "the ranks built different values" in str(exc) and "fsdp_sync_module_states" in str(exc)
 
 
 # --------------------------------------------------------------------- other options
