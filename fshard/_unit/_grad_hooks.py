@@ -60,7 +60,7 @@ def ensure_grad_hooks(
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
     sharded = slot.sharded_param
     if sharded.requires_grad and not sharded.__dict__.get("_fshard_hooked", False):
-        sharded._fshard_hooked = True  # type: ignore[attr-defined]  # marker, as above
+        sharded._fshard_hooked = True  # marker, as above
         sharded.register_post_accumulate_grad_hook(
             _used_while_sharded(slot.fqn, owner.label, weakref.ref(owner))
         )
