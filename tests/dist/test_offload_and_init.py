@@ -350,12 +350,14 @@ def _skipped_initialiser_worker():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fshard.materialize(model)
-    return [str(w.message) for w in caught if "fshard.materialize" in str(w.message)]
+    return [(str(w.message), w.filename) for w in caught if "fshard.materialize" in str(w.message)]
 
 
 def test_materialize_warns_about_an_initialiser_it_does_not_run():
-    for messages in get_pool(2).run(_skipped_initialiser_worker):
-        assert len(messages) == 1, messages
+    for warned in get_pool(2).run(_skipped_initialiser_worker):
+        assert len(warned) == 1, warned
+        messages = [message for message, _ in warned]
+        assert warned[0][1] == __file__  # the user's call, not fshard's or torch's file
         assert "module(s) '0' (InitsChildren)" in messages[0] and "init_fn" in messages[0]
 
 
