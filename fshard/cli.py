@@ -579,10 +579,13 @@ def _run_launch(args: argparse.Namespace) -> int:
     for name in plan.unset:
         os.environ.pop(name, None)
     os.environ.update(plan.env)
+    interrupted = _stop_workers_quietly_on_ctrl_c()
     try:
         torchrun_args = torchrun_parse_args(list(plan.torchrun_args))
         torchrun_run(torchrun_args)
     except ChildFailedError as exc:
+        if interrupted:
+            return _say_interrupted()
         rank, exitcode = root_failure({r: (f.exitcode, f.timestamp) for r, f in exc.failures.items()})
         print(f"fshard launch: {args.script} failed on rank {rank} with exit code {exitcode}", file=sys.stderr)
         return _exit_status(exitcode)
@@ -590,10 +593,56 @@ def _run_launch(args: argparse.Namespace) -> int:
         # SIGTERM / SIGINT / SIGHUP / SIGQUIT while the workers ran: torchrun's agent has passed
         # the signal on to them and waited for them to stop before raising this. Exit as a
         # process ended by that signal reports itself to the shell, without a traceback.
+        if interrupted:
+            return _say_interrupted()
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
-        return 130
+        return _say_interrupted()
     return 0
+
+
+# [Note: Ctrl-C in fshard launch]
+# The workers run in sessions of their own (torchrun starts them so), so Ctrl-C reaches only this
+# process, whose torchrun agent passes the signal it got on to the workers. SIGINT would make each
+# worker print a KeyboardInterrupt traceback through the user's and torch's frames (dozens of lines
+# per rank); SIGTERM stops a Python process without one. So on SIGINT the agent is told SIGTERM
+# (torchrun's handler, replaced for the launch: its name is looked up when the agent starts), and
+# fshard launch says in one line that it was interrupted and exits 130, as a shell expects.
+# torchrun's per-worker shutdown log lines are silenced from then on.
+
+
+def _stop_workers_quietly_on_ctrl_c() -> list[bool]:
+    """Make Ctrl-C stop the workers with SIGTERM ([Note: Ctrl-C in fshard launch]); the
+    returned list holds True once it happened."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import api as elastic_api
+
+    interrupted: list[bool] = []
+    torchrun_handler = getattr(elastic_api, "_terminate_process_handler", None)
+    if torchrun_handler is None:  # another torch: its own handling stays
+        return interrupted
+
+    def handler(signum: int, frame: Any) -> None:
+        if signum != signal.SIGINT:
+            torchrun_handler(signum, frame)
+            return
+        if not interrupted:
+            interrupted.append(True)
+            for name in list(logging.root.manager.loggerDict):
+                if name.startswith("torch.distributed.elastic"):
+                    logging.getLogger(name).setLevel(logging.ERROR)
+        raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGTERM)
+
+    elastic_api._terminate_process_handler = handler
+    return interrupted
+
+
+def _say_interrupted() -> int:
+    print("fshard launch: interrupted (Ctrl-C); the workers on this machine were stopped", file=sys.stderr, flush=True)
+    return 130
 
 
 # ------------------------------------------------------------------------------- consolidate

@@ -246,3 +246,28 @@ def test_sigterm_stops_the_workers_and_exits_143_without_a_traceback(tmp_path: P
     assert launcher.returncode == 128 + signal.SIGTERM, stderr[-4000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-4000:]
     assert not [pid for pid in pids if _alive(pid)], "workers outlived the launcher"
+
+
+def test_ctrl_c_stops_the_workers_in_one_line_and_exits_130(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal: SIGINT to the launcher's whole process group. One line says so (no
+    # KeyboardInterrupt traceback from each rank, no per-worker shutdown log), then exit 130.
+    script = _write(tmp_path, "wait.py", WAIT)
+    launcher = subprocess.Popen(
+        [*_fshard(), "launch", "--nproc", "2", str(script), str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(tmp_path.glob("pid*"))) < 2 or any(not f.read_text() for f in tmp_path.glob("pid*")):
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in sorted(tmp_path.glob("pid*"))]
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, stderr[-4000:]
+    after = stderr[stderr.index("OMP_NUM_THREADS") :].splitlines()[2:]  # past torchrun's banner
+    assert after == ["fshard launch: interrupted (Ctrl-C); the workers on this machine were stopped"], stderr[-4000:]
+    assert not [pid for pid in pids if _alive(pid)], "workers outlived the launcher"
