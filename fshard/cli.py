@@ -257,6 +257,9 @@ class LaunchPlan:
     torchrun_args: tuple[str, ...]
     env: dict[str, str]
     unset: tuple[str, ...] = ()
+    # For several machines: whom the launch waits for at the rendezvous, and for how long
+    # (printed before torchrun starts, which says nothing while it waits).
+    waiting: str = ""
 
     def command(self) -> str:
         """The equivalent shell command (what ``--dry-run`` prints)."""
@@ -518,7 +521,46 @@ def plan_launch(
     torchrun += [args.script, *args.script_args]
     if layout.gpu_ids is not None and layout.gpu_ids != "all":
         env["CUDA_VISIBLE_DEVICES"] = layout.gpu_ids
-    return LaunchPlan(torchrun_args=tuple(torchrun), env=env, unset=unset)
+    waiting = ""
+    if nnodes > 1:
+        waiting = _rendezvous_wait(backend, nnodes, nproc, node_rank, f"{addr}:{port}", args.rdzv_id, passed)
+    return LaunchPlan(torchrun_args=tuple(torchrun), env=env, unset=unset, waiting=waiting)
+
+
+_RDZV_TIMEOUT_S = 600  # torchrun's default for both c10d's join_timeout and static's timeout
+
+
+def _rendezvous_wait(
+    backend: str,
+    nnodes: int,
+    nproc: int,
+    node_rank: int,
+    endpoint: str,
+    rdzv_id: str,
+    passed: tuple[TorchrunOption, ...],
+) -> str:
+    """The line a launch over ``nnodes`` machines prints before it waits for the others."""
+    key = "timeout" if backend == "static" else "join_timeout"
+    timeout: str | int = _RDZV_TIMEOUT_S
+    for option in passed:
+        if option.dest == "rdzv_conf":
+            conf = option.words[-1].split("=", 1)[1] if len(option.words) == 1 else option.words[-1]
+            for item in conf.split(","):
+                name, _, value = item.partition("=")
+                if name.strip() == key:
+                    timeout = value.strip()
+    give_up = f"gives up after {timeout} s if they do not come ({key} in --rdzv-conf sets it)"
+    if backend == "static":
+        return (
+            f"fshard launch: machine {node_rank} of {nnodes} ({nproc} process(es) each) waiting "
+            f"for the others at the static rendezvous {endpoint} (hosted by machine 0, every "
+            f"machine with its own --node-rank); {give_up}"
+        )
+    return (
+        f"fshard launch: waiting for {nnodes} machines ({nproc} process(es) each, this one "
+        f"included) to join the {backend} rendezvous {endpoint} (id {rdzv_id!r}; the same "
+        f"command on each machine, in any order); {give_up}"
+    )
 
 
 def root_failure(failures: dict[int, tuple[int, float]]) -> tuple[int, int]:
@@ -570,9 +612,12 @@ def _run_launch(args: argparse.Namespace) -> int:
         print(plan.command())
         return 0
     print(f"fshard launch: {plan.command()}", file=sys.stderr, flush=True)
+    if plan.waiting:
+        print(plan.waiting, file=sys.stderr, flush=True)
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import parse_args as torchrun_parse_args
     from torch.distributed.run import run as torchrun_run
 
@@ -583,6 +628,14 @@ def _run_launch(args: argparse.Namespace) -> int:
     try:
         torchrun_args = torchrun_parse_args(list(plan.torchrun_args))
         torchrun_run(torchrun_args)
+    except RendezvousTimeoutError:
+        print(
+            "fshard launch: gave up waiting at the rendezvous: not every machine joined in time. "
+            "Start the same command on each machine, check that they all reach the rendezvous "
+            "address and port, or give them longer (--rdzv-conf join_timeout=SECONDS)",
+            file=sys.stderr,
+        )
+        return 1
     except ChildFailedError as exc:
         if interrupted:
             return _say_interrupted()
