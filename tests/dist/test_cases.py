@@ -623,12 +623,19 @@ def _tied_sibling_units_worker():
     fshard.fully_shard(model.head, mesh=mesh)
     shard_model(spec, model, mesh)
     batch = make_batch(spec, 0, dist.get_rank())
+    before = {u.fqn: u.param_names for u in fshard.units(model)}
     compute_loss(spec, model, batch).backward()
-    return model.head.weight is model.embed.weight, model.embed.weight.grad is not None
+    after = {u.fqn: u.param_names for u in fshard.units(model)}
+    return before, after, model.head.weight is model.embed.weight, model.embed.weight.grad is not None
 
 
 def test_tied_weight_across_units_moves_to_common_unit():
-    for same, has_grad in get_pool(2).run(_tied_sibling_units_worker):
+    for before, after, same, has_grad in get_pool(2).run(_tied_sibling_units_worker):
+        # fully_shard(model.embed) took the shared weight first; the first forward moves it to
+        # the root, the lowest unit above both of its users.
+        assert "embed.weight" in before["embed"] and "embed.weight" not in before[""], before
+        assert "embed.weight" in after[""], after
+        assert not any("embed.weight" in names or "head.weight" in names for fqn, names in after.items() if fqn), after
         assert same and has_grad
 
 
