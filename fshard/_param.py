@@ -62,9 +62,10 @@ knows. So while a ``ShardedParameter`` belongs to a unit it refuses to change it
 ``__dict__``: the swap still replaces the tensor underneath (the shard cast, the same object),
 exactly what ``.data =`` does, and the unit re-packs its flat shard at the next unshard (the data
 pointers moved: ``FlatBucket.is_packed``). The other side of the swap, ``fn``'s throw-away
-``Parameter``, gets the class and a reference to this ``__dict__``; nothing keeps it. Hooks
-registered on the old tensor leave with it, so the grad-hook marker is dropped here and the unit
-hooks the new tensor when it next registers its unsharded params. A conversion that changes
+``Parameter``, gets the class and a reference to this ``__dict__``; nothing keeps it. Autograd's
+hooks are registered on the tensor underneath, so they leave with the old one (the Python dict of
+post-accumulate-grad hooks stays): the grad-hook marker is dropped and a ``_fshard_swapped`` one
+set here, and the unit hooks the new tensor when it next registers its unsharded params. A conversion that changes
 nothing returns the parameter itself, and ``nn.Parameter`` of a subclass asks ``detach()`` to keep
 the type: called from there (only), ``detach`` returns a ``ShardedParameter`` with no unit, the
 swap's throw-away side, sharing the same storage.
@@ -151,16 +152,17 @@ class ShardedParameter(nn.Parameter):
         # [Note: swapped sharded parameters]
         if name in ("__class__", "__dict__") and "_fshard_slot" in self.__dict__:
             if name == "__dict__":
-                # The tensor underneath is about to be replaced: hooks held by the old one go
-                # with it, so the unit hooks the new one at its next unshard.
+                # The tensor underneath is about to be replaced, and autograd's hooks with it:
+                # the unit hooks the new one at its next unshard (``ensure_grad_hooks``).
                 self.__dict__.pop("_fshard_hooked", None)
-                self._post_accumulate_grad_hooks = None  # type: ignore[assignment]  # the stub says dict; None clears them
+                self.__dict__["_fshard_swapped"] = True
             return
         super().__setattr__(name, value)
 
     def detach(self) -> torch.Tensor:
         detached = super().detach()
-        if sys._getframe(1).f_code is _PARAMETER_NEW:
+        caller = sys._getframe(0).f_back
+        if caller is not None and caller.f_code is _PARAMETER_NEW:
             # nn.Parameter(this parameter): Module._apply swapping in a conversion that changed
             # nothing (a tied weight met twice, an integer parameter, .cpu() of a CPU shard).
             # nn.Parameter of a subclass wants detach() to keep the type: [Note: swapped sharded

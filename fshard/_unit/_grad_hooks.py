@@ -59,6 +59,13 @@ def ensure_grad_hooks(
 
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
     sharded = slot.sharded_param
+    hooks = sharded._post_accumulate_grad_hooks
+    if sharded.__dict__.pop("_fshard_swapped", False) and hooks is not None:
+        # A swapped-in tensor ([Note: swapped sharded parameters]): give it the hooks dict
+        # (assigning it registers it with autograd), without the old tensor's internal hook.
+        for key in [k for k, hook in hooks.items() if getattr(hook, "_fshard_internal", False)]:
+            del hooks[key]
+        sharded._post_accumulate_grad_hooks = hooks
     if sharded.requires_grad and not sharded.__dict__.get("_fshard_hooked", False):
         sharded._fshard_hooked = True  # marker, as above
         sharded.register_post_accumulate_grad_hook(

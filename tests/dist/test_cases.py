@@ -713,6 +713,8 @@ def _swapped_dtype_change_worker(mesh_shape, swap, train_first):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = dict(model.named_parameters())
+    hook_calls = []  # a user's post-accumulate-grad hook (optimizer-in-backward) outlives the swap
+    before["blocks.0.qkv.weight"].register_post_accumulate_grad_hook(lambda p: hook_calls.append(p.dtype))
     steps = [0, 1, 2] if train_first else [1, 2]
     if train_first:  # one float32 step first: the grad hooks are in place when the swap comes
         batch = make_batch(GPT, 0, rank)
@@ -745,14 +747,15 @@ def _swapped_dtype_change_worker(mesh_shape, swap, train_first):
         opt.step()
         opt.zero_grad()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return kept, local_shapes, full, {n: p.detach() for n, p in ref.named_parameters()}
+    return kept, local_shapes, full, {n: p.detach() for n, p in ref.named_parameters()}, hook_calls
 
 
 @pytest.mark.parametrize("train_first", [False, True], ids=["fresh", "after_a_step"])
 @pytest.mark.parametrize("swap", [True, False], ids=["swap", "set_data"])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
 def test_module_to_dtype_keeps_parameters_sharded_with_or_without_swapping(mesh_shape, swap, train_first):
-    for kept, local_shapes, full, ref in get_pool(4).run(_swapped_dtype_change_worker, mesh_shape, swap, train_first):
+    for kept, local_shapes, full, ref, hook_calls in get_pool(4).run(_swapped_dtype_change_worker, mesh_shape, swap, train_first):
+        assert hook_calls == [torch.float32] * train_first + [torch.float64] * 2
         for name, (same, sharded, shape, dtype) in kept.items():
             assert same and sharded, (name, same, sharded)
             assert shape == local_shapes[name] and dtype == torch.float64, (name, shape, dtype)
