@@ -24,7 +24,7 @@ from fshard._controls import (
     set_reshard_after_forward,
     unshard,
 )
-from fshard._errors import CollectiveError, RankMismatchError
+from fshard._errors import CollectiveError, CollectiveMismatchError, RankMismatchError
 from fshard._estimate import Estimate, UnitEstimate, estimate
 from fshard._introspect import MemoryStats, UnitInfo, memory_stats, reset_peak_memory_stats, units
 from fshard._materialize import materialize
@@ -102,4 +102,5 @@ __all__ = [
     # errors
     "RankMismatchError",
     "CollectiveError",
+    "CollectiveMismatchError",
 ]

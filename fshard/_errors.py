@@ -7,8 +7,13 @@ Internal invariants fail with the rank in the message.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable
+from types import FrameType
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -19,6 +24,7 @@ __all__ = [
     "internal_error",
     "first_few",
     "rank_prefix",
+    "warn_user",
 ]
 
 
@@ -65,7 +71,14 @@ class _CollectiveStoreError(CollectiveError, dist.DistStoreError):
 
 class CollectiveMismatchError(CollectiveError, RankMismatchError):
     """Ranks were about to issue different collectives (found before issuing them, or by the
-    hang check): both a ``CollectiveError`` and a ``RankMismatchError``."""
+    hang check): both a ``CollectiveError`` and a ``RankMismatchError``, so either ``except``
+    catches it.
+
+    Example:
+        >>> fshard.full_state_dict(model)  # on rank 0 only  # doctest: +SKIP
+        CollectiveMismatchError: [rank 0] fshard: hang check after 30 s in the gather of
+        'full_state_dict(0.weight)' ...: rank 1 is in the all_gather of unit '<root>' ...
+    """
 
 
 def collective_error(message: str, cause: BaseException) -> CollectiveError:
@@ -140,3 +153,52 @@ def first_few(names: list[str]) -> str:
         "'a', 'b', 'c' ..."
     """
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+# Frames in these directories are not the user's: fshard's own, and torch's (module hooks, the
+# optimizer's step, autograd's engine call fshard's code).
+_NOT_USER_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_NOT_USER_DIRS) or filename.startswith("<frozen")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with the location of the user's code: the innermost caller outside fshard and torch.
+
+    A ``stacklevel`` cannot know how many torch frames (hooks, ``optimizer.step``, autograd)
+    lie between fshard and the user; this walks the stack instead. The usual filters apply (a
+    location warns once by default). With no such frame (a warning raised from a thread that
+    runs only fshard code), the warning points at fshard's caller.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_user("fshard: something to know")
+        >>> caught[0].filename.startswith(_NOT_USER_DIRS)
+        False
+    """
+    frame = _user_frame(sys._getframe(1))
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=module_globals.get("__name__"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )

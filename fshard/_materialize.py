@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fshard._errors import ProblemList, first_few
+from fshard._errors import ProblemList, first_few, warn_user
 from fshard._param import is_sharded, local_rows, set_data
 from fshard._unit._module_state_dict import allocate_meta_shards
 from fshard._unit._registry import units_under
@@ -190,12 +189,11 @@ def _warn_skipped_initialisers(
         if below and not _owns_meta(module, meta_params) and _initialiser(module) is not None:
             skipped.append(f"{names[id(module)]!r} ({type(module).__name__})")
     if skipped:
-        warnings.warn(
+        warn_user(
             f"fshard.materialize does not run the initialiser of module(s) {first_few(skipped)}: "
             "they own no parameters, and materialize initialises each module's own. If it "
             "(re)initialises its submodules, as eager construction may do, the result differs "
-            "from eager init: pass init_fn doing that per module.",
-            stacklevel=3,
+            "from eager init: pass init_fn doing that per module."
         )
 
 

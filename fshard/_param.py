@@ -51,10 +51,29 @@ a ``ShardedParameter`` *in place* (its data becomes this rank's shard and its cl
 below). The object keeps its name, ``requires_grad`` and identity, so an optimizer built before
 ``fully_shard`` keeps working, and optimizer math runs on a plain dense tensor: the subclass adds
 methods but no ``__torch_function__``, so there is no dispatch overhead on the hot path.
+
+[Note: swapped sharded parameters]
+``Module._apply`` (``model.to(dtype)``, ``.double()``, ``.cpu()``) changes a parameter in one of
+two ways: ``param.data = fn(param)`` by default, or, with
+``torch.__future__.set_swap_module_params_on_conversion(True)``, ``torch.utils.swap_tensors(param,
+nn.Parameter(fn(param)))``, which swaps the tensor underneath *and* the Python class and
+``__dict__``. The second would leave a plain ``Parameter`` of the local shard's shape that no unit
+knows. So while a ``ShardedParameter`` belongs to a unit it refuses to change its class or
+``__dict__``: the swap still replaces the tensor underneath (the shard cast, the same object),
+exactly what ``.data =`` does, and the unit re-packs its flat shard at the next unshard (the data
+pointers moved: ``FlatBucket.is_packed``). The other side of the swap, ``fn``'s throw-away
+``Parameter``, gets the class and a reference to this ``__dict__``; nothing keeps it. Autograd's
+hooks are registered on the tensor underneath, so they leave with the old one (the Python dict of
+post-accumulate-grad hooks stays): the grad-hook marker is dropped and a ``_fshard_swapped`` one
+set here, and the unit hooks the new tensor when it next registers its unsharded params. A conversion that changes
+nothing returns the parameter itself, and ``nn.Parameter`` of a subclass asks ``detach()`` to keep
+the type: called from there (only), ``detach`` returns a ``ShardedParameter`` with no unit, the
+swap's throw-away side, sharing the same storage.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, TypeGuard
 
@@ -100,6 +119,9 @@ class SlotOwner(Protocol):
 # ------------------------------------------------------------------------------ the parameter
 
 
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
+
+
 class ShardedParameter(nn.Parameter):
     """A parameter whose data is this rank's dim-0 shard (``torch.chunk`` semantics).
 
@@ -125,6 +147,28 @@ class ShardedParameter(nn.Parameter):
                 "or built by hand); use the parameter of the sharded model itself"
             )
         return slot
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # [Note: swapped sharded parameters]
+        if name in ("__class__", "__dict__") and "_fshard_slot" in self.__dict__:
+            if name == "__dict__":
+                # The tensor underneath is about to be replaced, and autograd's hooks with it:
+                # the unit hooks the new one at its next unshard (``ensure_grad_hooks``).
+                self.__dict__.pop("_fshard_hooked", None)
+                self.__dict__["_fshard_swapped"] = True
+            return
+        super().__setattr__(name, value)
+
+    def detach(self) -> torch.Tensor:
+        detached = super().detach()
+        caller = sys._getframe(0).f_back
+        if caller is not None and caller.f_code is _PARAMETER_NEW:
+            # nn.Parameter(this parameter): Module._apply swapping in a conversion that changed
+            # nothing (a tied weight met twice, an integer parameter, .cpu() of a CPU shard).
+            # nn.Parameter of a subclass wants detach() to keep the type: [Note: swapped sharded
+            # parameters].
+            detached.__class__ = ShardedParameter
+        return detached
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # Pickling a sharded model reaches its parameters first: refuse as the unit does.

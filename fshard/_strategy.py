@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fshard._errors import warn_user
 from fshard._mesh import default_device_type, register_mesh_cache
 
 __all__ = ["ShardingStrategy", "StrategyKwargs", "strategy_kwargs", "parse_strategy"]
@@ -131,6 +132,7 @@ def strategy_kwargs(
         }
     if strategy is ShardingStrategy.NO_SHARD:
         return {"mesh": _mesh(device_type, (world, 1)), "reshard_after_forward": False}
+    defaulted = replicate_size is None
     if replicate_size is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         replicate_size = max(1, world // max(1, local))
@@ -140,10 +142,35 @@ def strategy_kwargs(
             f"{where}: replicate_size must be a positive divisor of the world size {world}, "
             f"got {replicate_size!r}"
         )
+    if replicate_size == 1 and world > 1:
+        _say_hybrid_is_not_hybrid(strategy, world, defaulted)
     return {
         "mesh": _mesh(device_type, (replicate_size, world // replicate_size)),
         "reshard_after_forward": strategy is ShardingStrategy.HYBRID_SHARD,
     }
+
+
+_SAID_HYBRID_IS_NOT_HYBRID = False
+
+
+def _say_hybrid_is_not_hybrid(strategy: ShardingStrategy, world: int, defaulted: bool) -> None:
+    """Once per process, on rank 0: a hybrid strategy with one replica is its 1D twin."""
+    global _SAID_HYBRID_IS_NOT_HYBRID
+    if _SAID_HYBRID_IS_NOT_HYBRID or dist.get_rank() != 0:
+        return
+    _SAID_HYBRID_IS_NOT_HYBRID = True
+    twin = "FULL_SHARD" if strategy is ShardingStrategy.HYBRID_SHARD else "SHARD_GRAD_OP"
+    why = (
+        f"all {world} ranks run on one machine (LOCAL_WORLD_SIZE is {world})"
+        if defaulted
+        else "replicate_size is 1"
+    )
+    warn_user(
+        f"fshard: {strategy.name} here is {twin}: {why}, so there is one replica and every "
+        f"parameter is sharded over all {world} ranks. To keep several replicas, pass "
+        f"replicate_size=R (R a divisor of {world} above 1, e.g. 2) to strategy_kwargs, or "
+        "launch on several machines (one replica per machine)."
+    )
 
 
 def _check_device_type(device_type: object, where: str) -> None:

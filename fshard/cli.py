@@ -254,6 +254,9 @@ class LaunchPlan:
     torchrun_args: tuple[str, ...]
     env: dict[str, str]
     unset: tuple[str, ...] = ()
+    # For several machines: whom the launch waits for at the rendezvous, and for how long
+    # (printed before torchrun starts, which says nothing while it waits).
+    waiting: str = ""
 
     def command(self) -> str:
         """The equivalent shell command (what ``--dry-run`` prints)."""
@@ -515,7 +518,46 @@ def plan_launch(
     torchrun += [args.script, *args.script_args]
     if layout.gpu_ids is not None and layout.gpu_ids != "all":
         env["CUDA_VISIBLE_DEVICES"] = layout.gpu_ids
-    return LaunchPlan(torchrun_args=tuple(torchrun), env=env, unset=unset)
+    waiting = ""
+    if nnodes > 1:
+        waiting = _rendezvous_wait(backend, nnodes, nproc, node_rank, f"{addr}:{port}", args.rdzv_id, passed)
+    return LaunchPlan(torchrun_args=tuple(torchrun), env=env, unset=unset, waiting=waiting)
+
+
+_RDZV_TIMEOUT_S = 600  # torchrun's default for both c10d's join_timeout and static's timeout
+
+
+def _rendezvous_wait(
+    backend: str,
+    nnodes: int,
+    nproc: int,
+    node_rank: int,
+    endpoint: str,
+    rdzv_id: str,
+    passed: tuple[TorchrunOption, ...],
+) -> str:
+    """The line a launch over ``nnodes`` machines prints before it waits for the others."""
+    key = "timeout" if backend == "static" else "join_timeout"
+    timeout: str | int = _RDZV_TIMEOUT_S
+    for option in passed:
+        if option.dest == "rdzv_conf":
+            conf = option.words[-1].split("=", 1)[1] if len(option.words) == 1 else option.words[-1]
+            for item in conf.split(","):
+                name, _, value = item.partition("=")
+                if name.strip() == key:
+                    timeout = value.strip()
+    give_up = f"gives up after {timeout} s if they do not come ({key} in --rdzv-conf sets it)"
+    if backend == "static":
+        return (
+            f"fshard launch: machine {node_rank} of {nnodes} ({nproc} process(es) each) waiting "
+            f"for the others at the static rendezvous {endpoint} (hosted by machine 0, every "
+            f"machine with its own --node-rank); {give_up}"
+        )
+    return (
+        f"fshard launch: waiting for {nnodes} machines ({nproc} process(es) each, this one "
+        f"included) to join the {backend} rendezvous {endpoint} (id {rdzv_id!r}; the same "
+        f"command on each machine, in any order); {give_up}"
+    )
 
 
 def root_failure(failures: dict[int, tuple[int, float]]) -> tuple[int, int]:
@@ -567,19 +609,33 @@ def _run_launch(args: argparse.Namespace) -> int:
         print(plan.command())
         return 0
     print(f"fshard launch: {plan.command()}", file=sys.stderr, flush=True)
+    if plan.waiting:
+        print(plan.waiting, file=sys.stderr, flush=True)
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import parse_args as torchrun_parse_args
     from torch.distributed.run import run as torchrun_run
 
     for name in plan.unset:
         os.environ.pop(name, None)
     os.environ.update(plan.env)
+    interrupted = _stop_workers_quietly_on_ctrl_c()
     try:
         torchrun_args = torchrun_parse_args(list(plan.torchrun_args))
         torchrun_run(torchrun_args)
+    except RendezvousTimeoutError:
+        print(
+            "fshard launch: gave up waiting at the rendezvous: not every machine joined in time. "
+            "Start the same command on each machine, check that they all reach the rendezvous "
+            "address and port, or give them longer (--rdzv-conf join_timeout=SECONDS)",
+            file=sys.stderr,
+        )
+        return 1
     except ChildFailedError as exc:
+        if interrupted:
+            return _say_interrupted()
         rank, exitcode = root_failure({r: (f.exitcode, f.timestamp) for r, f in exc.failures.items()})
         print(f"fshard launch: {args.script} failed on rank {rank} with exit code {exitcode}", file=sys.stderr)
         return _exit_status(exitcode)
@@ -587,10 +643,56 @@ def _run_launch(args: argparse.Namespace) -> int:
         # SIGTERM / SIGINT / SIGHUP / SIGQUIT while the workers ran: torchrun's agent has passed
         # the signal on to them and waited for them to stop before raising this. Exit as a
         # process ended by that signal reports itself to the shell, without a traceback.
+        if interrupted:
+            return _say_interrupted()
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
-        return 130
+        return _say_interrupted()
     return 0
+
+
+# [Note: Ctrl-C in fshard launch]
+# The workers run in sessions of their own (torchrun starts them so), so Ctrl-C reaches only this
+# process, whose torchrun agent passes the signal it got on to the workers. SIGINT would make each
+# worker print a KeyboardInterrupt traceback through the user's and torch's frames (dozens of lines
+# per rank); SIGTERM stops a Python process without one. So on SIGINT the agent is told SIGTERM
+# (torchrun's handler, replaced for the launch: its name is looked up when the agent starts), and
+# fshard launch says in one line that it was interrupted and exits 130, as a shell expects.
+# torchrun's per-worker shutdown log lines are silenced from then on.
+
+
+def _stop_workers_quietly_on_ctrl_c() -> list[bool]:
+    """Make Ctrl-C stop the workers with SIGTERM ([Note: Ctrl-C in fshard launch]); the
+    returned list holds True once it happened."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import api as elastic_api
+
+    interrupted: list[bool] = []
+    torchrun_handler = getattr(elastic_api, "_terminate_process_handler", None)
+    if torchrun_handler is None:  # another torch: its own handling stays
+        return interrupted
+
+    def handler(signum: int, frame: Any) -> None:
+        if signum != signal.SIGINT:
+            torchrun_handler(signum, frame)
+            return
+        if not interrupted:
+            interrupted.append(True)
+            for name in list(logging.root.manager.loggerDict):
+                if name.startswith("torch.distributed.elastic"):
+                    logging.getLogger(name).setLevel(logging.ERROR)
+        raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGTERM)
+
+    elastic_api._terminate_process_handler = handler
+    return interrupted
+
+
+def _say_interrupted() -> int:
+    print("fshard launch: interrupted (Ctrl-C); the workers on this machine were stopped", file=sys.stderr, flush=True)
+    return 130
 
 
 # ------------------------------------------------------------------------------- consolidate

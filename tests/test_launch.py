@@ -160,12 +160,12 @@ def test_two_node_run_on_localhost(tmp_path: Path) -> None:
     port = _free_port()
     launchers = [
         subprocess.Popen(
-            [*_fshard(), "launch", "--config_file", str(config), "--nnodes", "2", "--node-rank", str(node),
+            [*_fshard(), "launch", "--config_file", str(config), "--nnodes", "2",
              "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--rdzv-backend", "c10d", str(script), str(out)],
             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for node in (0, 1)
+        for _ in range(2)  # the same command on both "machines": c10d numbers them as they join
     ]
     try:
         outputs = [p.communicate(timeout=TIMEOUT)[0] for p in launchers]
@@ -174,6 +174,7 @@ def test_two_node_run_on_localhost(tmp_path: Path) -> None:
             p.kill()
     for p, output in zip(launchers, outputs, strict=True):
         assert p.returncode == 0, output[-4000:]
+        assert f"fshard launch: waiting for 2 machines (1 process(es) each, this one included) to join the c10d rendezvous 127.0.0.1:{port}" in output
     results = _results(out, 2)
     assert {r["world"] for r in results} == {2}
     # One process per node: HYBRID_SHARD replicates across the two "nodes".
@@ -246,3 +247,48 @@ def test_sigterm_stops_the_workers_and_exits_143_without_a_traceback(tmp_path: P
     assert launcher.returncode == 128 + signal.SIGTERM, stderr[-4000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-4000:]
     assert not [pid for pid in pids if _alive(pid)], "workers outlived the launcher"
+
+
+def test_ctrl_c_stops_the_workers_in_one_line_and_exits_130(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal: SIGINT to the launcher's whole process group. One line says so (no
+    # KeyboardInterrupt traceback from each rank, no per-worker shutdown log), then exit 130.
+    script = _write(tmp_path, "wait.py", WAIT)
+    launcher = subprocess.Popen(
+        [*_fshard(), "launch", "--nproc", "2", str(script), str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(tmp_path.glob("pid*"))) < 2 or any(not f.read_text() for f in tmp_path.glob("pid*")):
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in sorted(tmp_path.glob("pid*"))]
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, stderr[-4000:]
+    after = stderr[stderr.index("OMP_NUM_THREADS") :].splitlines()[2:]  # past torchrun's banner
+    assert after == ["fshard launch: interrupted (Ctrl-C); the workers on this machine were stopped"], stderr[-4000:]
+    assert not [pid for pid in pids if _alive(pid)], "workers outlived the launcher"
+
+
+def test_a_machine_that_never_comes_is_named_then_given_up_on(tmp_path: Path) -> None:
+    # --nnodes 2 with only this machine: say whom it waits for and for how long, then give up
+    # in one line (no RendezvousTimeoutError traceback).
+    script = _write(tmp_path, "wait.py", WAIT)
+    port = _free_port()
+    start = time.monotonic()
+    result = subprocess.run(
+        [*_fshard(), "launch", "--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--rdzv-conf", "join_timeout=3", str(script), str(tmp_path)],
+        env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert time.monotonic() - start < 60
+    assert (f"waiting for 2 machines (1 process(es) each, this one included) to join the c10d rendezvous "
+            f"127.0.0.1:{port} (id 'fshard'; the same command on each machine, in any order); gives up after 3 s "
+            "if they do not come (join_timeout in --rdzv-conf sets it)") in result.stderr  # fmt: skip
+    assert result.stderr.rstrip().endswith("(--rdzv-conf join_timeout=SECONDS)"), result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("pid*"))

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard import _collectives
-from fshard._errors import first_few
+from fshard._errors import first_few, warn_user
 from fshard._param import is_sharded, local_rows
 from fshard._unit._group import KEPT_GATHERED, ParamGroup, TrainingState
 from fshard._unit._registry import units_made
@@ -322,6 +322,13 @@ def _unowned_message(optimizer: torch.optim.Optimizer, unowned: list[torch.Tenso
     )
 
 
+def _is_module(obj: object) -> bool:
+    try:
+        return isinstance(obj, nn.Module)
+    except ReferenceError:  # a proxy of a weakref whose object is gone
+        return False
+
+
 def _names_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[str]:
     """The parameters' FQNs for an error message: those the optimizer was given
     (``torch.optim`` records them when built from ``named_parameters()``), else those in the
@@ -336,12 +343,10 @@ def _names_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> l
     wanted = {id(p) for p in params}
     best: dict[int, str] = {}
     best_size = 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, nn.Module):
-                continue
-        except ReferenceError:  # a proxy of a weakref whose object is gone
-            continue
+    with warnings.catch_warnings():  # (isinstance on torch's deprecated module stand-ins warns)
+        warnings.simplefilter("ignore")
+        modules = [obj for obj in gc.get_objects() if _is_module(obj)]
+    for obj in modules:
         names = {id(p): n for n, p in obj.named_parameters() if id(p) in wanted}
         size = sum(1 for _ in obj.modules())  # the outermost of those naming as many: the model
         if (len(names), size) > (len(best), best_size):
@@ -418,12 +423,11 @@ def _check_step_sees_reduced_grads(optimizer: torch.optim.Optimizer, *_args: Any
     missed = [g for g in pending if any(id(s.sharded_param) in stepped for s in g.slots)]
     if missed:
         names = first_few([g.label for g in missed])
-        warnings.warn(
+        warn_user(
             f"optimizer.step() runs while fshard unit(s) {names} hold gradients accumulated "
             "without sync (no_sync / set_requires_gradient_sync(False)) that were never reduced: "
             "this step does not see them. Run the last micro-batch's backward with gradient sync "
             "on, then step.",
-            stacklevel=3,
         )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch import nn
 
 from fshard import _collectives
 from fshard._checksum import value_checksum
-from fshard._errors import ProblemList, RankMismatchError, internal_error
+from fshard._errors import ProblemList, RankMismatchError, internal_error, warn_user
 from fshard._options import debug_checks
 from fshard._runtime._root import RootState
 from fshard._unit._group import ParamGroup, ShardedState
@@ -195,12 +194,11 @@ def _place_shared_params(module: nn.Module, groups: list[ParamGroup]) -> None:
             where = sites.get(id(slot.sharded_param), [])
             users = [fqn or "<root>" for fqn, _, _ in where]
             names = [f"{fqn}.{attr}" if fqn else attr for fqn, _, attr in where]
-            warnings.warn(
+            warn_user(
                 f"fshard: parameter {names[-1]!r} is shared by modules {users}, so it belongs to "
                 f"unit {target.label} and follows that unit's mp_policy / offload_policy, not "
                 f"those given to unit {source.label} (e.g. a tied output head: untie it, or set "
                 "the policy on the common parent)",
-                stacklevel=2,
             )
         locals_src = [s.sharded_param.detach() for s in source.slots if s is not slot]
         target.set_slots(

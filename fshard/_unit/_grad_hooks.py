@@ -12,13 +12,13 @@ from the garbage collector, so a strong one would keep the model alive forever.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from fshard._errors import warn_user
 from fshard._param import ParamSlot
 
 __all__ = ["GradHookOwner", "ensure_grad_hooks", "forward_tensor_hooks", "run_user_grad_hooks"]
@@ -59,8 +59,15 @@ def ensure_grad_hooks(
 
         handles.append(unsharded.register_post_accumulate_grad_hook(hook))
     sharded = slot.sharded_param
+    hooks = sharded._post_accumulate_grad_hooks
+    if sharded.__dict__.pop("_fshard_swapped", False) and hooks is not None:
+        # A swapped-in tensor ([Note: swapped sharded parameters]): give it the hooks dict
+        # (assigning it registers it with autograd), without the old tensor's internal hook.
+        for key in [k for k, hook in hooks.items() if getattr(hook, "_fshard_internal", False)]:
+            del hooks[key]
+        sharded._post_accumulate_grad_hooks = hooks
     if sharded.requires_grad and not sharded.__dict__.get("_fshard_hooked", False):
-        sharded._fshard_hooked = True  # type: ignore[attr-defined]  # marker, as above
+        sharded._fshard_hooked = True  # marker, as above
         sharded.register_post_accumulate_grad_hook(
             _used_while_sharded(slot.fqn, owner.label, weakref.ref(owner))
         )
@@ -82,15 +89,14 @@ def _used_while_sharded(
         if root is None or root.warned_sharded_use:
             return
         root.warned_sharded_use = True
-        warnings.warn(
+        warn_user(
             f"fshard: parameter {fqn!r} of unit {unit} got a gradient from a use outside its "
             "unit's forward, where it holds only this rank's shard. That is right for an "
             "elementwise use (a penalty such as sum(p.pow(2).sum() for p in "
             "model.parameters()); its value is this rank's part), and wrong for anything that "
             "mixes the parameter's rows, e.g. a tied head calling F.linear(h, self.embed.weight) "
             "in the parent: put the owner and the user in one unit (fully_shard their common "
-            "parent only, or tie through an nn.Module sharing the weight). Warned once per model.",
-            stacklevel=2,
+            "parent only, or tie through an nn.Module sharing the weight). Warned once per model."
         )
 
     hook._fshard_internal = True  # type: ignore[attr-defined]  # marker: not run by run_user_grad_hooks

@@ -9,7 +9,6 @@ base ``UnitBackward`` (``_backward``), and its gradients are reduced by ``_reduc
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, SupportsIndex
@@ -20,7 +19,7 @@ from torch import nn
 
 from fshard import _collectives
 from fshard._bucket import GATHERED, FlatBucket
-from fshard._errors import first_few, internal_error
+from fshard._errors import first_few, internal_error, warn_user
 from fshard._mesh import PostForwardGroup, post_forward_group
 from fshard._options import BackwardPrefetch
 from fshard._param import ParamSlot, local_rows
@@ -509,14 +508,13 @@ class ParamGroup(UnitBackward, UnitGrads):
             if slot.unsharded_param is not None and slot.unsharded_param._version != version
         ]
         if changed:
-            warnings.warn(
+            warn_user(
                 f"fshard: parameters {first_few(changed)} of unit {self.label} were modified in "
                 "place while gathered (inside the unit's forward, as nn.Embedding(max_norm=...) "
                 "or a clamp_ on a weight do, or between fshard.unshard and fshard.reshard); "
                 "the change was made to the gathered copy and is dropped now that the unit is "
                 "freed, where DDP would keep it. Modify the shards (p.to_local()) outside the "
-                "forward, or free with fshard.reshard(module, writeback=True).",
-                stacklevel=2,
+                "forward, or free with fshard.reshard(module, writeback=True)."
             )
 
     def write_back(self, *, check_only: bool = False) -> None:

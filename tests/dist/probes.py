@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 from torch import nn
@@ -65,3 +66,50 @@ class GatherProbe:
             if t.grad is not None and t.grad.untyped_storage().nbytes() > 0:
                 out.append(f"grad {fqn}")
         return sorted(out)
+
+
+class PinProbe:
+    """Records the pinned-memory requests made while it is active, on a machine without CUDA.
+
+    ``CPUOffload(pin_memory=True)`` keeps each unit's shards in pinned host memory, which only a
+    CUDA machine can give: fshard asks for it only where ``torch.cuda.is_available()``. Inside
+    the probe that says True, and ``Tensor.pin_memory()`` returns a copy (new memory, as the real
+    one does) whose range is recorded, so a test on CPU sees what fshard asked for and whether
+    the shards live in that memory. Enter it after the mesh exists (mesh creation asks CUDA too).
+
+    Example:
+        >>> with PinProbe() as pins:  # doctest: +SKIP
+        ...     fshard.fully_shard(model, mesh=mesh, offload_policy=fshard.CPUOffload())
+        >>> pins.holds(model.weight.to_local())  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def __enter__(self) -> PinProbe:
+        import torch
+
+        self._patches = [
+            mock.patch.object(torch.cuda, "is_available", lambda: True),
+            # A function (not the bound method): it binds to the tensor as pin_memory does.
+            mock.patch.object(torch.Tensor, "pin_memory", lambda tensor, *args: self._pin(tensor)),
+        ]
+        for patch in self._patches:
+            patch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for patch in reversed(self._patches):
+            patch.stop()
+
+    def _pin(self, tensor: Any) -> Any:
+        copy = tensor.clone()
+        self.ranges.append((copy.data_ptr(), copy.untyped_storage().nbytes()))
+        return copy
+
+    def holds(self, tensor: Any) -> bool:
+        """Whether ``tensor``'s memory lies in memory pinned while the probe was active."""
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        return any(lo <= start and end <= lo + n for lo, n in self.ranges)

@@ -623,12 +623,19 @@ def _tied_sibling_units_worker():
     fshard.fully_shard(model.head, mesh=mesh)
     shard_model(spec, model, mesh)
     batch = make_batch(spec, 0, dist.get_rank())
+    before = {u.fqn: u.param_names for u in fshard.units(model)}
     compute_loss(spec, model, batch).backward()
-    return model.head.weight is model.embed.weight, model.embed.weight.grad is not None
+    after = {u.fqn: u.param_names for u in fshard.units(model)}
+    return before, after, model.head.weight is model.embed.weight, model.embed.weight.grad is not None
 
 
 def test_tied_weight_across_units_moves_to_common_unit():
-    for same, has_grad in get_pool(2).run(_tied_sibling_units_worker):
+    for before, after, same, has_grad in get_pool(2).run(_tied_sibling_units_worker):
+        # fully_shard(model.embed) took the shared weight first; the first forward moves it to
+        # the root, the lowest unit above both of its users.
+        assert "embed.weight" in before["embed"] and "embed.weight" not in before[""], before
+        assert "embed.weight" in after[""], after
+        assert not any("embed.weight" in names or "head.weight" in names for fqn, names in after.items() if fqn), after
         assert same and has_grad
 
 
@@ -694,6 +701,69 @@ def test_dtype_change_after_sharding_is_picked_up():
         for name, value in full.items():
             assert value.dtype == torch.float64
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-9, atol=1e-11)
+
+
+def _swapped_dtype_change_worker(mesh_shape, swap, train_first):
+    """``model.to(torch.float64)`` after sharding, with torch's swap-on-conversion on or off,
+    before or after a training step: the same parameter objects stay sharded (identity,
+    ``is_sharded``, ``to_local``, ``full_tensor``) and training matches a float64 reference."""
+    rank = dist.get_rank()
+    ref, model = build_model(GPT), build_model(GPT)
+    shard_model(GPT, model, mesh_for(mesh_shape))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = dict(model.named_parameters())
+    hook_calls = []  # a user's post-accumulate-grad hook (optimizer-in-backward) outlives the swap
+    before["blocks.0.qkv.weight"].register_post_accumulate_grad_hook(lambda p: hook_calls.append(p.dtype))
+    steps = [0, 1, 2] if train_first else [1, 2]
+    if train_first:  # one float32 step first: the grad hooks are in place when the swap comes
+        batch = make_batch(GPT, 0, rank)
+        _synced_reference_step(ref, compute_loss(GPT, ref, batch))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        compute_loss(GPT, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        ref.to(torch.float64)
+        model.to(torch.float64)
+        model.cpu()  # changes nothing: torch swaps each parameter for itself
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    after = dict(model.named_parameters())
+    kept = {
+        n: (after[n] is p, fshard.is_sharded(after[n]), tuple(after[n].to_local().shape), after[n].dtype)
+        for n, p in before.items()
+    }
+    local_shapes = {n: tuple(p.to_local().shape) for n, p in before.items()}
+    for step in steps[1:] if train_first else steps:
+        batch = make_batch(GPT, step, rank)
+        _synced_reference_step(ref, compute_loss(GPT, ref, batch))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        compute_loss(GPT, model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return kept, local_shapes, full, {n: p.detach() for n, p in ref.named_parameters()}, hook_calls
+
+
+@pytest.mark.parametrize("train_first", [False, True], ids=["fresh", "after_a_step"])
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "set_data"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_module_to_dtype_keeps_parameters_sharded_with_or_without_swapping(mesh_shape, swap, train_first):
+    for kept, local_shapes, full, ref, hook_calls in get_pool(4).run(_swapped_dtype_change_worker, mesh_shape, swap, train_first):
+        assert hook_calls == [torch.float32] * train_first + [torch.float64] * 2
+        for name, (same, sharded, shape, dtype) in kept.items():
+            assert same and sharded, (name, same, sharded)
+            assert shape == local_shapes[name] and dtype == torch.float64, (name, shape, dtype)
+        # A float32 step first differs from the reference by float32 rounding.
+        rtol, atol = (1e-5, 1e-6) if train_first else (1e-9, 1e-11)
+        for name, value in full.items():
+            assert value.dtype == torch.float64
+            torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol)
 
 
 def _freeze_between_micro_batches(mesh_shape, reduce_scatter):

@@ -26,6 +26,7 @@ import fshard
 from fshard._unit._registry import unit_of  # prefetch defaults: UnitInfo does not show them
 from fshard.testing import RanksFailed, assert_equivalent_to_ddp, get_pool
 from tests.accelerate_samples import sample
+from tests.dist.probes import PinProbe
 
 WORLD = 2
 VOCAB, DIM, SEQ, BATCH = 16, 8, 5, 3
@@ -121,8 +122,20 @@ def describe_units(model: nn.Module) -> list[tuple[Any, ...]]:
 
 
 def apply_and_check(config: dict[str, Any] | str, expect: Expect, model: nn.Module, mesh: Any) -> None:
-    """The ``shard_fn`` of the equivalence runs: apply the config, then check what it built."""
-    fshard.from_config(model, config)
+    """The ``shard_fn`` of the equivalence runs: apply the config, then check what it built.
+
+    Offload is checked by what it does that a CPU run can see (``PinProbe``): every shard lives
+    in a pinned host buffer, one per unit; without offload nothing is pinned."""
+    with PinProbe() as pins:
+        fshard.from_config(model, config)
+    shards = {n: p.to_local() for n, p in model.named_parameters() if p.numel()}
+    pinned = [n for n, local in shards.items() if pins.holds(local)]
+    want_pinned = (list(shards), len(expect.units)) if expect.offload else ([], 0)
+    if (pinned, len(pins.ranges)) != want_pinned:
+        raise AssertionError(
+            f"rank {dist.get_rank()}: offload={expect.offload}, but shards in pinned memory: {pinned} "
+            f"({len(pins.ranges)} pinned buffers asked for)"
+        )
     reshard, shape = STRATEGY_LAYOUT[expect.strategy]
     # The root returns fp32 under mixed precision, as accelerate's convert_outputs_to_fp32 does.
     root_mp = None if expect.mp is None else dataclasses.replace(expect.mp, output_dtype=torch.float32)

@@ -393,6 +393,35 @@ def test_hybrid_strategies_default_to_one_replica_per_machine(local_world_size, 
     assert get_pool(4).run(_default_hybrid_mesh, local_world_size) == [[shape, shape]] * 4
 
 
+def _hybrid_warnings(local_world_size, replicate_size):
+    import warnings
+
+    from fshard import _strategy
+
+    _strategy._SAID_HYBRID_IS_NOT_HYBRID = False  # a fresh process's state: the pool's live on
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(local_world_size)}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD"):
+                fshard.strategy_kwargs(strategy, replicate_size=replicate_size, device_type="cpu")
+    return [(str(w.message), w.filename) for w in caught if "fshard:" in str(w.message)]
+
+
+@pytest.mark.parametrize("local_world_size, replicate_size", [(4, None), (1, 1)], ids=["one_machine", "replicate_size_1"])
+def test_hybrid_with_one_replica_says_it_is_full_shard_once(local_world_size, replicate_size):
+    first, *others = get_pool(4).run(_hybrid_warnings, local_world_size, replicate_size)
+    assert others == [[]] * 3  # rank 0 says it, once
+    assert len(first) == 1, first
+    message, filename = first[0]
+    why = "all 4 ranks run on one machine (LOCAL_WORLD_SIZE is 4)" if replicate_size is None else "replicate_size is 1"
+    assert message.startswith(f"fshard: HYBRID_SHARD here is FULL_SHARD: {why}, so there is one replica"), message
+    assert "replicate_size=R" in message and filename == __file__
+
+
+def test_hybrid_with_several_replicas_says_nothing():
+    assert get_pool(4).run(_hybrid_warnings, 2, None) == [[]] * 4
+
+
 # --- mp integer params
 # MixedPrecision(param_dtype=...) casts floating-point parameters only: an integer parameter
 # (int8 quantized weights, frozen) is gathered in its own dtype, values intact.

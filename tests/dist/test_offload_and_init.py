@@ -17,6 +17,7 @@ from fshard.testing.models import (
     make_batch,
     shard_model,
 )
+from tests.dist.probes import PinProbe
 
 SPEC = TransformerSpec(vocab=31, dim=12, heads=3, layers=2, seq=6, batch_size=3)
 
@@ -27,7 +28,9 @@ def _train(mesh_shape, offload, mp):
     kwargs = {"offload_policy": fshard.CPUOffload(pin_memory=True) if offload else None}
     if mp:
         kwargs["mp_policy"] = fshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    shard_model(SPEC, model, mesh_for(mesh_shape), **kwargs)
+    mesh = mesh_for(mesh_shape)
+    with PinProbe() as pins:  # what offload does that a CPU run can see: it asks for pinned shards
+        shard_model(SPEC, model, mesh, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -38,19 +41,31 @@ def _train(mesh_shape, offload, mp):
         opt.zero_grad()
         losses.append(loss.item())
     state = {n: p.to_local().clone() for n, p in model.named_parameters()}
-    return losses, state, devices
+    # After training (the optimizer updated the shards in place): which shards live in pinned
+    # memory, and how many pinned buffers (one flat shard per unit and dtype) fshard asked for.
+    pinned = sorted(n for n, p in model.named_parameters() if p.numel() and pins.holds(p.to_local()))
+    nonempty = sorted(n for n, p in model.named_parameters() if p.numel())
+    units = len(fshard.units(model))
+    return losses, state, devices, (len(pins.ranges), units, pinned, nonempty)
 
 
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (4, 1)], ids=str)
 def test_cpu_offload_equals_plain_run_exactly(mesh_shape, mp):
+    """The same numbers; and what offload must do that a CPU run can see: every shard lives in a
+    pinned host buffer, one per unit (fshard asks for none without offload). On CPU the shards'
+    device and the copies to the compute device are the same with and without offload, so a
+    shard placed on the mesh's device despite offload is found on a GPU run only."""
     plain = get_pool(4).run(_train, mesh_shape, False, mp)
     offloaded = get_pool(4).run(_train, mesh_shape, True, mp)
-    for (losses, state, _), (off_losses, off_state, devices) in zip(plain, offloaded, strict=True):
+    for (losses, state, _, plain_pins), (off_losses, off_state, devices, off_pins) in zip(plain, offloaded, strict=True):
         assert off_losses == losses
         assert devices == {"cpu"}  # shards and their gradients live on the host
         for name, value in state.items():
             assert torch.equal(off_state[name], value), name
+        assert plain_pins[0] == 0 and plain_pins[2] == []  # no pinned memory without offload
+        requests, units, pinned, nonempty = off_pins
+        assert requests == units and pinned == nonempty, off_pins  # one float32 bucket per unit
 
 
 # --------------------------------------------------------------------------- meta-device init
@@ -350,12 +365,14 @@ def _skipped_initialiser_worker():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fshard.materialize(model)
-    return [str(w.message) for w in caught if "fshard.materialize" in str(w.message)]
+    return [(str(w.message), w.filename) for w in caught if "fshard.materialize" in str(w.message)]
 
 
 def test_materialize_warns_about_an_initialiser_it_does_not_run():
-    for messages in get_pool(2).run(_skipped_initialiser_worker):
-        assert len(messages) == 1, messages
+    for warned in get_pool(2).run(_skipped_initialiser_worker):
+        assert len(warned) == 1, warned
+        messages = [message for message, _ in warned]
+        assert warned[0][1] == __file__  # the user's call, not fshard's or torch's file
         assert "module(s) '0' (InitsChildren)" in messages[0] and "init_fn" in messages[0]
 
 

@@ -618,3 +618,19 @@ def test_python_dash_m_fshard() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "--nproc-per-node 2" in result.stdout
+
+
+def test_several_machines_say_whom_they_wait_for_and_for_how_long() -> None:
+    # torchrun waits silently at the rendezvous (up to 600 s by default): say so first.
+    plan = _plan(["--nnodes", "2", "--nproc", "8", "--master-addr", "10.0.0.1", "--master-port", "29500", "train.py"])
+    assert plan.waiting == (
+        "fshard launch: waiting for 2 machines (8 process(es) each, this one included) to join the "
+        "c10d rendezvous 10.0.0.1:29500 (id 'fshard'; the same command on each machine, in any order); "
+        "gives up after 600 s if they do not come (join_timeout in --rdzv-conf sets it)"
+    )  # fmt: skip
+    static = _plan(["--rdzv-backend", "static", "--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1",
+                    "--rdzv-conf", "timeout=120,x=1", "train.py"])  # fmt: skip
+    assert static.waiting.startswith("fshard launch: machine 2 of 3 (1 process(es) each) waiting for the others at "
+                                     "the static rendezvous 10.0.0.1:29500")  # fmt: skip
+    assert static.waiting.endswith("gives up after 120 s if they do not come (timeout in --rdzv-conf sets it)")
+    assert _plan(["--nproc", "2", "train.py"]).waiting == ""
