@@ -11,23 +11,20 @@ from typing import Any
 import pytest
 import yaml
 
-from fshard.cli import (
-    _COMMANDS,
+from fshard._launch import (
     LaunchError,
     TorchrunOption,
-    _exit_status,
-    _newest_inside_hint,
-    _parse_launch,
-    build_parser,
-    main,
+    exit_status,
+    parse_launch,
     plan_launch,
     root_failure,
 )
+from fshard.cli import _COMMANDS, _newest_inside_hint, build_parser, main
 from tests.accelerate_samples import GUIDE, sample
 
 
 def _plan(argv: list[str], port: int = 4321, environ: dict[str, str] | None = None) -> Any:
-    args = _parse_launch(build_parser(), ["launch", *argv], 0)
+    args = parse_launch(build_parser(), ["launch", *argv], 0)
     if environ is None:
         return plan_launch(args, free_port=lambda: port)
     return plan_launch(args, free_port=lambda: port, environ=environ)
@@ -360,7 +357,7 @@ def test_torchrun_value_option_passes_through_before_the_script(capsys: pytest.C
 def test_torchrun_option_equals_form_and_underscore_spelling(capsys: pytest.CaptureFixture[str]) -> None:
     words = _dry_run(["--log_dir=/tmp/x y", "--redirects=3", "train.py"], capsys)
     assert words[-4:] == ["'--log_dir=/tmp/x", "y'", "--redirects=3", "train.py"]  # shlex-quoted
-    args = _parse_launch(build_parser(), ["launch", "--log_dir=/tmp/x y", "-t3", "train.py"], 0)
+    args = parse_launch(build_parser(), ["launch", "--log_dir=/tmp/x y", "-t3", "train.py"], 0)
     assert args.torchrun_options == (
         TorchrunOption("log_dir", ("--log_dir=/tmp/x y",)), TorchrunOption("tee", ("-t3",))
     )
@@ -371,7 +368,7 @@ def test_torchrun_store_true_option_takes_no_value(capsys: pytest.CaptureFixture
     # --run-path takes no value, so the next word is SCRIPT.
     words = _dry_run(["--run-path", "train.py", "--x"], capsys)
     assert words[-3:] == ["--run-path", "train.py", "--x"]
-    args = _parse_launch(build_parser(), ["launch", "--no-python", "--nproc", "2", "bash", "-c", "true"], 0)
+    args = parse_launch(build_parser(), ["launch", "--no-python", "--nproc", "2", "bash", "-c", "true"], 0)
     assert args.torchrun_options == (TorchrunOption("no_python", ("--no-python",)),)
     assert (args.nproc, args.script, args.script_args) == (2, "bash", ["-c", "true"])
 
@@ -388,20 +385,20 @@ def test_torchrun_options_keep_their_order_among_fshard_flags(capsys: pytest.Cap
 def test_a_torchrun_option_after_the_script_is_the_scripts(capsys: pytest.CaptureFixture[str]) -> None:
     words = _dry_run(["--tee", "1", "train.py", "--tee", "3", "--log-dir", "d"], capsys)
     assert words.count("--tee") == 2 and words[-6:] == ["1", "train.py", "--tee", "3", "--log-dir", "d"]
-    args = _parse_launch(build_parser(), ["launch", "train.py", "--tee", "3", "--standalone"], 0)
+    args = parse_launch(build_parser(), ["launch", "train.py", "--tee", "3", "--standalone"], 0)
     assert args.torchrun_options == () and args.script_args == ["--tee", "3", "--standalone"]
     # After `--`, too: the next word is SCRIPT.
-    args = _parse_launch(build_parser(), ["launch", "--", "train.py", "--tee", "3"], 0)
+    args = parse_launch(build_parser(), ["launch", "--", "train.py", "--tee", "3"], 0)
     assert (args.script, args.script_args, args.torchrun_options) == ("train.py", ["--tee", "3"], ())
 
 
 def test_a_torchrun_value_is_not_taken_for_the_script() -> None:
     # `--tee 3 train.py`: 3 is --tee's value; it was taken for SCRIPT.
-    args = _parse_launch(build_parser(), ["launch", "--tee", "3", "train.py", "--lr", "1"], 0)
+    args = parse_launch(build_parser(), ["launch", "--tee", "3", "train.py", "--lr", "1"], 0)
     assert (args.script, args.script_args) == ("train.py", ["--lr", "1"])
     assert args.torchrun_options == (TorchrunOption("tee", ("--tee", "3")),)
     # An abbreviated fshard flag keeps its value too (fshard's parser expands it).
-    args = _parse_launch(build_parser(), ["launch", "--nnode", "1", "--tee", "3", "train.py"], 0)
+    args = parse_launch(build_parser(), ["launch", "--nnode", "1", "--tee", "3", "train.py"], 0)
     assert (args.nnodes, args.script, len(args.torchrun_options)) == (1, "train.py", 1)
 
 
@@ -489,7 +486,7 @@ def test_root_failure(failures: dict[int, tuple[int, float]], expected: tuple[in
 
 
 def test_exit_status_of_signals() -> None:
-    assert (_exit_status(3), _exit_status(-9), _exit_status(-15)) == (3, 137, 143)
+    assert (exit_status(3), exit_status(-9), exit_status(-15)) == (3, 137, 143)
 
 
 def test_dry_run_prints_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,7 +26,7 @@ LAYERS: list[list[str]] = [
     ["_api", "_controls", "_clip", "_introspect", "_materialize"],
     ["_state_dict"],
     ["_wrap", "checkpoint", "_config", "_estimate"],
-    ["__init__", "__main__", "cli", "testing", "hf", "_bench", "_model_source"],
+    ["__init__", "__main__", "cli", "_launch", "testing", "hf", "_bench", "_model_source"],
 ]
 
 
