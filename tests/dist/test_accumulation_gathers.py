@@ -81,14 +81,25 @@ def _full_grad(param: fshard.ShardedParameter) -> torch.Tensor:
     ).reshape(param.full_shape)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=str)
-def test_fsdp2_accumulation_pattern_gathers_each_unit_once_per_step(mesh_shape):
+@pytest.mark.parametrize(
+    ("mesh_shape", "reshard_after_forward"),
+    [((2,), False), ((2, 2), False), ((2,), True)],
+    ids=["1d", "2x2", "1d-reshard-after-forward"],
+)
+def test_fsdp2_accumulation_pattern_gathers_each_unit_once_per_step(
+    mesh_shape, reshard_after_forward
+):
     world = 2 if len(mesh_shape) == 1 else 4
+    # reshard_after_forward=False: each unit once, in the first forward (FSDP2: 4; fshard before
+    # this: 8, the last micro-batch gathered everything again). True: also each block again in
+    # every micro-batch's backward, freed after its forward; the root is kept for backward
+    # (fshard before this: 20).
+    expected = UNITS + (MICRO_BATCHES * (UNITS - 1) if reshard_after_forward else 0)
     for counts, grad_errors, gathered in get_pool(world).run(
-        _accumulation_worker, mesh_shape, False
+        _accumulation_worker, mesh_shape, reshard_after_forward
     ):
         for step_counts in counts[1:]:  # (the first step also checks the ranks' values agree)
-            assert step_counts["all_gather"] == UNITS, counts  # FSDP2: 4; fshard before: 8
+            assert step_counts["all_gather"] == expected, counts
             assert step_counts["reduce_scatter"] == UNITS, counts
             assert step_counts["all_reduce"] == (UNITS if len(mesh_shape) == 2 else 0), counts
         for name, error in grad_errors:
