@@ -158,15 +158,10 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state."""
-    params = list(model.parameters())
-    counted = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    optim_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {
-        "params": counted(p for p in params),
-        "grads": counted(p.grad for p in params if p.grad is not None),
-        "optim": counted(optim_tensors),
-    }
+    """This rank's bytes of parameters, gradients and optimizer state (``fshard.memory_stats``
+    counts them for any model: a sharded parameter counts its local shard)."""
+    stats = fshard.memory_stats(model, optimizer)
+    return {"params": stats.param_bytes, "grads": stats.grad_bytes, "optim": stats.optim_bytes}
 
 
 def init_process_group(backend: str) -> None:

@@ -23,7 +23,7 @@ from fshard._options import BackwardPrefetch
 from fshard._runtime._hooks import ensure_root_initialised, hook_forward_method
 from fshard._runtime._root import check_prefetch_targets, root_of
 from fshard._runtime._root_init import check_prefetch_alike
-from fshard._unit._group import ParamGroup, ShardedState, TrainingState
+from fshard._unit._group import ParamGroup, ShardedState
 from fshard._unit._registry import unit_of, units_or_error, units_under
 
 __all__ = [
@@ -115,7 +115,17 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
     gathered through the accumulation. What FSDP2's ``module.set_reshard_after_backward(False)``
     is used for; ``fshard.reshard(model)`` frees them.
 
+    Setting it back to ``True`` frees nothing at once: what a backward kept is reused by the
+    next forward and freed by the backward after it, so FSDP2's pattern (both flags on only for
+    the last micro-batch) gathers each unit once per optimizer step when its
+    ``reshard_after_forward`` is ``False``.
+
     Example:
+        >>> for i, x in enumerate(micro_batches):              # doctest: +SKIP
+        ...     last = i == len(micro_batches) - 1
+        ...     fshard.set_requires_gradient_sync(model, last)
+        ...     fshard.set_reshard_after_backward(model, last)
+        ...     model(x).sum().backward()
         >>> fshard.set_reshard_after_backward(model, False)  # doctest: +SKIP
         >>> with fshard.no_sync(model):                      # doctest: +SKIP
         ...     for x in micro_batches[:-1]:
@@ -130,9 +140,10 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
             f"{reshard_after_backward!r}"
         )
     for group in units_or_error(module, "set_reshard_after_backward"):
+        # Turning it back on frees nothing now: a unit kept from the previous micro-batch's
+        # backward is reused by the next forward (FSDP2's pattern flips it on before the last
+        # micro-batch), and the backward after it frees it.
         group.reshard_after_backward = reshard_after_backward
-        if reshard_after_backward and group.is_hidden() and group.training_state is TrainingState.IDLE:
-            group.reshard()  # kept from a backward: freed now
 
 
 def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool | int) -> None:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -17,32 +19,84 @@ __all__ = ["MemoryStats", "memory_stats", "reset_peak_memory_stats", "UnitInfo",
 
 
 class MemoryStats(NamedTuple):
-    """Gathered-parameter memory of this process (all units, all models).
+    """Memory of this process: gathered parameters (all units, all models) and, for the model
+    and optimizer given to ``memory_stats``, this rank's persistent training state.
 
     ``gathered_bytes``: full parameters (and all-gather buffers) allocated now;
     ``peak_gathered_bytes``: the most held at once since the last reset.
+    ``param_bytes``: the model's parameters as this rank holds them (a sharded parameter counts
+    its local shard); ``grad_bytes``: their ``.grad`` tensors now; ``optim_bytes``: the
+    optimizer's state tensors (AdamW: two per parameter of its shape, plus a step scalar each).
+    The last three are 0 when no model (optimizer) is given. ``persistent_bytes`` is their sum.
 
     Example:
-        >>> stats = fshard.memory_stats()                 # doctest: +SKIP
+        >>> stats = fshard.memory_stats(model, opt)       # doctest: +SKIP
         >>> stats.peak_gathered_bytes / 2**20             # MiB  # doctest: +SKIP
+        >>> stats.persistent_bytes / 2**20                # params + grads + optimizer state  # doctest: +SKIP
     """
 
     gathered_bytes: int
     peak_gathered_bytes: int
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optim_bytes: int = 0
+
+    @property
+    def persistent_bytes(self) -> int:
+        """``param_bytes + grad_bytes + optim_bytes``."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
 
 
-def memory_stats() -> MemoryStats:
-    """How many bytes of gathered parameters this rank holds now and at most (since reset).
+def memory_stats(
+    model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> MemoryStats:
+    """This rank's bytes of gathered parameters now and at most (since reset), and, given a
+    model (and its optimizer), of the parameters, gradients and optimizer state it keeps.
 
     On CPU, where torch keeps no allocator statistics, this is how to see what prefetch and
-    ``reshard_after_forward`` cost.
+    ``reshard_after_forward`` cost, and what sharding saves: a sharded parameter counts its
+    local shard (``p.to_local()``), so ``param_bytes`` is about ``1/shard_size`` of the model's.
+    Each tensor is counted once however often it is listed (a tied weight); gradients are
+    those that exist now (after ``backward``, before ``zero_grad``).
 
     Example:
         >>> fshard.reset_peak_memory_stats()             # doctest: +SKIP
-        >>> loss = model(x).sum(); loss.backward()       # doctest: +SKIP
-        >>> fshard.memory_stats().peak_gathered_bytes    # doctest: +SKIP
+        >>> loss = model(x).sum(); loss.backward(); opt.step()   # doctest: +SKIP
+        >>> stats = fshard.memory_stats(model, opt)      # doctest: +SKIP
+        >>> stats.peak_gathered_bytes, stats.param_bytes, stats.grad_bytes, stats.optim_bytes  # doctest: +SKIP
     """
-    return MemoryStats(GATHERED.current, GATHERED.peak)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fshard.memory_stats: model must be an nn.Module or None, got {type(model).__name__}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"fshard.memory_stats: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    params = list(model.parameters()) if model is not None else []  # deduplicated: tied once
+    grads = [p.grad for p in params if p.grad is not None]
+    states: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return MemoryStats(
+        GATHERED.current,
+        GATHERED.peak,
+        param_bytes=_tensor_bytes(params),
+        grad_bytes=_tensor_bytes(grads),
+        optim_bytes=_tensor_bytes(states),
+    )
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors``' elements, each distinct tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def reset_peak_memory_stats() -> None:

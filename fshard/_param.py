@@ -73,6 +73,7 @@ swap's throw-away side, sharing the same storage.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, TypeGuard
@@ -219,6 +220,42 @@ class ShardedParameter(nn.Parameter):
             f"ShardedParameter(fqn={slot.fqn!r}, full_shape={list(slot.layout.full_shape)}, "
             f"placements=({placements}), local={torch.Tensor.__repr__(self.detach())})"
         )
+
+
+# [Note: torch's foreach and fused optimizer paths]
+# torch's optimizers take the multi-tensor (``foreach``) or fused kernels by default only when
+# every parameter's type is exactly one of a list (``torch.optim.optimizer``'s and
+# ``torch.utils._foreach_utils``'s ``_foreach_supported_types``: Tensor, Parameter, and DTensor,
+# which adds itself there on import); any other type, a subclass too, silently gets the
+# per-tensor loop, several times slower on GPUs. A ShardedParameter is a plain dense tensor to
+# every kernel (no ``__torch_function__``, see [Note: sharded parameter identity]), so it is
+# added to both lists when this module is imported, as DTensor is. The lists are private to
+# torch: where a torch lacks them, nothing is registered and optimizers work as before.
+_TORCH_FOREACH_TYPE_LISTS = (
+    ("torch.optim.optimizer", "_foreach_supported_types"),
+    ("torch.utils._foreach_utils", "_foreach_supported_types"),
+)
+
+
+def register_foreach_type() -> list[str]:
+    """Add ``ShardedParameter`` to torch's lists of types its optimizers run with the foreach
+    and fused kernels (see [Note: torch's foreach and fused optimizer paths]); idempotent.
+    Returns the lists it is in, as ``module.name``."""
+    registered = []
+    for module_name, attr in _TORCH_FOREACH_TYPE_LISTS:
+        try:
+            types = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            continue
+        if not isinstance(types, list):
+            continue
+        if ShardedParameter not in types:
+            types.append(ShardedParameter)
+        registered.append(f"{module_name}.{attr}")
+    return registered
+
+
+register_foreach_type()
 
 
 def is_sharded(tensor: object) -> TypeGuard[ShardedParameter]:

@@ -1201,8 +1201,10 @@ def _keep_after_backward_worker(reshard_after_forward: bool):
     with fshard.no_sync(model):
         model(_batch(99, (4, 6))).sum().backward()
     before = fshard.memory_stats().gathered_bytes - base
-    fshard.set_reshard_after_backward(model, True)  # frees what was kept
-    return gathers, kept, before, fshard.memory_stats().gathered_bytes - base
+    fshard.set_reshard_after_backward(model, True)  # keeps what was kept, for the next forward
+    flipped = fshard.memory_stats().gathered_bytes - base
+    fshard.reshard(model)  # frees it
+    return gathers, kept, (before, flipped), fshard.memory_stats().gathered_bytes - base
 
 
 @pytest.mark.parametrize("reshard_after_forward", [False, True])
@@ -1218,7 +1220,7 @@ def test_units_kept_gathered_after_backward_for_gradient_accumulation(reshard_af
             assert gathers == [units, 0, 0] * 2, gathers
         # Kept after the micro-batches without sync; the synchronised last one frees.
         assert kept[0] > 0 and kept[1] > 0 and kept[2] == 0 and kept[3:] == kept[:3], kept
-        assert before > 0 and after == 0
+        assert before[0] > 0 and before[1] == before[0] and after == 0
 
 
 def _shard_keeping_after_backward(spec, model, mesh):
