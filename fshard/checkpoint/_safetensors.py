@@ -103,7 +103,7 @@ class StreamWriter:
         self._next = 0
         self.nbytes = 0
         header = header_bytes(self._specs, metadata)
-        self._file = open(self.path, "wb")  # noqa: SIM115  # closed in close()
+        self._file = open(self.path, "wb")  # closed in close()
         self._file.write(header)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
@@ -117,7 +117,7 @@ class StreamWriter:
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if data.numel():
-            self._file.write(memoryview(data.numpy()))  # no copy: the tensor's own bytes
+            self._file.write(data.numpy().data)  # no copy: the tensor's own bytes
         self.nbytes += data.numel()
         self._next += 1
 
@@ -129,6 +129,7 @@ class StreamWriter:
         self._file.close()
         if self._next != len(self._specs):
             missing = [s.key for s in self._specs[self._next :]]
+            os.remove(self.path)
             raise ValueError(f"{self.path}: {len(missing)} tensor(s) never written, from {missing[0]!r}")
 
     def __enter__(self) -> StreamWriter:
@@ -145,3 +146,46 @@ class StreamWriter:
             os.remove(self.path)
         except OSError:
             pass
+
+
+_DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class Stored(NamedTuple):
+    """Where one tensor's bytes are in a safetensors file (``begin``: from the file's start)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str) -> tuple[dict[str, Stored], dict[str, str]]:
+    """The tensors of a safetensors file (in data order) and its metadata, from its header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    metadata = header.pop("__metadata__", None) or {}
+    stored = {}
+    for key, entry in header.items():
+        if entry["dtype"] not in _DTYPES_BY_CODE:
+            raise ValueError(f"{path}: {key!r} has dtype {entry['dtype']}, which fshard does not read")
+        begin, end = entry["data_offsets"]
+        stored[key] = Stored(_DTYPES_BY_CODE[entry["dtype"]], tuple(entry["shape"]), start + begin, start + end)
+    return dict(sorted(stored.items(), key=lambda item: item[1].begin)), metadata
+
+
+def read_tensor(path: str, stored: Stored) -> torch.Tensor:
+    """One tensor of a safetensors file, read straight into its own memory (no mmap: the
+    process's memory holds this tensor and nothing else of the file)."""
+    out = torch.empty(stored.shape, dtype=stored.dtype)
+    raw = out.reshape(-1).view(torch.uint8)
+    if raw.numel() != stored.end - stored.begin:
+        raise ValueError(f"{path}: the header's offsets do not match the shape {list(stored.shape)}")
+    if raw.numel():
+        with open(path, "rb") as f:
+            f.seek(stored.begin)
+            if f.readinto(raw.numpy().data) != raw.numel():
+                raise ValueError(f"{path} is truncated")
+    return out

@@ -42,11 +42,11 @@ def test_a_streamed_file_reads_back_with_safetensors(tmp_path):
 def test_out_of_order_or_missing_tensors_are_errors_and_leave_no_file(tmp_path):
     specs = [TensorSpec("a", torch.float32, (2,)), TensorSpec("b", torch.float32, (3,))]
     path = tmp_path / "x.safetensors"
-    with pytest.raises(ValueError, match="expected 'a' torch.float32 \\[2\\] next, got 'b'"):
+    with pytest.raises(ValueError, match=r"expected 'a' torch.float32 \[2\] next, got 'b'"):
         with StreamWriter(path, specs) as writer:
             writer.write("b", torch.zeros(3))
     assert not path.exists()
-    with pytest.raises(ValueError, match="1 tensor\\(s\\) never written, from 'b'"):
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) never written, from 'b'"):
         with StreamWriter(path, specs) as writer:
             writer.write("a", torch.zeros(2))
     assert unstorable([TensorSpec("w", torch.complex128, (1,))]) == {"complex128": ["w"]}
