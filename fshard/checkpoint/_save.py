@@ -103,8 +103,8 @@ def save(
     values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
     ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 
-    ``state_dict_type`` (``"SHARDED_STATE_DICT"``, ``"FULL_STATE_DICT"`` or a
-    ``fshard.StateDictType``) picks how the model is written; ``None`` follows the model's
+    ``state_dict_type`` (``"SHARDED_STATE_DICT"``, ``"FULL_STATE_DICT"``, or
+    the ``StateDictType`` of ``fshard.config_of(model).state_dict_type``) picks how the model is written; ``None`` follows the model's
     ``fsdp_state_dict_type`` (``fshard.config_of(model)``, set by ``from_config``), and a model
     without a config is saved sharded. SHARDED_STATE_DICT: each rank writes its shards. FULL_STATE_DICT:
     the model's tensors go to ``path/model.safetensors``, written by rank 0 as they are gathered,
@@ -154,6 +154,8 @@ def save(
     )
     tmp = f"{path}.tmp-{token}"
     error = _first_unloadable(sd, "")
+    if error is None and kind == FULL:
+        error = _unstorable_problem(layout)
     if error is None and path != chosen:  # a timestamp or a rank in the name: each rank would write its own part
         error = (
             f"every rank must pass the same path: rank 0 passed {chosen!r}, rank {rank} "
@@ -164,8 +166,6 @@ def save(
             f"every rank must save the same state_dict_type: rank 0 saves {chosen_kind}, rank "
             f"{rank} {kind}"
         )
-    elif error is None and kind == FULL:
-        error = _unstorable_problem(layout)
     elif error is None and rank == 0:
         error = _target_problem(path)
         if error is None:
