@@ -253,7 +253,8 @@ def test_streamed_consolidate_peak_is_near_the_largest_tensor_not_the_model(big_
     from safetensors import safe_open
 
     with safe_open(str(out), framework="pt") as f:
-        assert torch.equal(f.get_slice("small.5")[0:1], torch.full((1, COLS), 5.0))
+        # (one AdamW step of lr 0.1 moved every value by about 0.1)
+        torch.testing.assert_close(f.get_slice("small.5")[0:1], torch.full((1, COLS), 5.0), atol=0.2, rtol=0)
         keys = list(f.keys())
         if optimizer:
             assert "optim.state.big.exp_avg" in keys and "optim.state.small.7.step" in keys
