@@ -51,7 +51,13 @@ TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 class Consolidated(NamedTuple):
-    """What ``consolidate_to`` wrote."""
+    """What ``consolidate_to`` wrote: the file, how many tensors, their bytes.
+
+    Example:
+        >>> done = fshard.checkpoint.consolidate_to("runs/step-100", "model.safetensors")  # doctest: +SKIP
+        >>> done.tensors, done.nbytes                                                    # doctest: +SKIP
+        (42, 497721344)
+    """
 
     path: str
     tensors: int
