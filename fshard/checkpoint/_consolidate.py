@@ -184,7 +184,8 @@ def consolidate_to(
             raise TypeError(f"safetensors cannot store {what}")
         metadata = {"format": "pt"}
         if plan.param_groups is not None:
-            metadata[PARAM_GROUPS_KEY] = json.dumps(plan.param_groups)
+            groups = decode(plan.param_groups, None)  # tuples (betas) become JSON lists
+            metadata[PARAM_GROUPS_KEY] = json.dumps(groups, default=lambda t: t.tolist())
         with StreamWriter(partial, plan.specs, metadata) as writer:
             for spec in plan.specs:
                 tensor = plan.read(spec)

@@ -66,7 +66,8 @@ def load(
     strict: bool = True,
     verify: bool = True,
 ) -> Any:
-    """Load a checkpoint written by ``save`` into a sharded ``model`` (and ``optimizer``).
+    """Load a checkpoint written by ``save`` (or a plain DCP directory) into a sharded
+    ``model`` (and ``optimizer``).
 
     Collective. Works at any world size and mesh shape (each rank reads the byte ranges of its
     own shards). Returns this rank's ``extra`` (a rank that did not exist when saving gets rank
@@ -82,6 +83,13 @@ def load(
     and each of the optimizer's param groups takes the hyperparameters of the saved group that
     holds its parameters (see ``fshard.load_optim_state_dict``). Shape mismatches are errors
     either way.
+
+    Both of ``save``'s forms load (the manifest says which): SHARDED_STATE_DICT, and
+    FULL_STATE_DICT, whose ``model.safetensors`` each rank reads only its own rows of. A DCP
+    directory written without fshard (no manifest; FSDP2's ``dcp.save(model.state_dict())``, or
+    ``{"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}``; the
+    optimizer under ``"optim"`` or ``"optimizer"``) loads too, at any world size, and returns
+    ``None`` (it has no ``extra``); see [Note: plain DCP checkpoints] in ``_plain``.
 
     A model built on the meta device (on some ranks or all) and sharded needs no
     ``fshard.materialize``: each rank allocates only its own shards, which the load fills (see

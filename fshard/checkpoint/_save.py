@@ -103,10 +103,10 @@ def save(
     values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
     ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 
-    ``state_dict_type`` (``"SHARDED_STATE_DICT"``, ``"FULL_STATE_DICT"``, or
-    the ``StateDictType`` of ``fshard.config_of(model).state_dict_type``) picks how the model is written; ``None`` follows the model's
-    ``fsdp_state_dict_type`` (``fshard.config_of(model)``, set by ``from_config``), and a model
-    without a config is saved sharded. SHARDED_STATE_DICT: each rank writes its shards. FULL_STATE_DICT:
+    ``state_dict_type`` (``"SHARDED_STATE_DICT"``, ``"FULL_STATE_DICT"``, or the
+    ``StateDictType`` enum that ``fshard.config_of(model).state_dict_type`` holds) picks how the
+    model is written; ``None`` follows the model's ``fsdp_state_dict_type`` (from
+    ``from_config``), and a model without a config is saved sharded. SHARDED_STATE_DICT: each rank writes its shards. FULL_STATE_DICT:
     the model's tensors go to ``path/model.safetensors``, written by rank 0 as they are gathered,
     one parameter at a time (no rank holds more than one full parameter); the optimizer and
     ``extra`` are saved sharded either way. ``load`` and ``consolidate`` read both.
