@@ -54,10 +54,12 @@ Run `fshard COMMAND --help` for the options of each command.
 
 
 _CONSOLIDATE_DESCRIPTION = """\
-Read the sharded checkpoint CKPT (written by fshard.checkpoint.save, at any world size or
-mesh shape) in this one process, without a process group, and write the full state dict
-to OUT (same keys as the unsharded model's state_dict()): a .safetensors file, or, if OUT
-ends in .pt, .pth or .bin, a torch.save file (for torch.load).
+Read the checkpoint CKPT (written by fshard.checkpoint.save, sharded or FULL_STATE_DICT, at
+any world size or mesh shape) in this one process, without a process group, and write the
+full state dict to OUT (same keys as the unsharded model's state_dict()): a .safetensors
+file, written one tensor at a time (peak memory near the largest tensor, not the model), or,
+if OUT ends in .pt, .pth or .bin, a torch.save file (for torch.load; it holds the whole model
+in memory). --optimizer adds the optimizer state, under optim.state.<param>.<name>.
 """
 
 
@@ -66,10 +68,9 @@ example:
   fshard consolidate checkpoints/step_100 model.safetensors
   python -c "from safetensors.torch import load_file; print(list(load_file('model.safetensors')))"
   fshard consolidate checkpoints/step_100 model.pt
+  fshard consolidate --optimizer checkpoints/step_100 train_state.safetensors
 """
 
-
-_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 _COMMANDS = ("launch", "consolidate", "bench", "estimate")
@@ -177,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--force", action="store_true", help="overwrite OUT if it exists"
     )
+    consolidate.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="include the optimizer state (keys optim.state.<param>.<name>; the param groups in "
+        "the file's metadata under optim.param_groups, as JSON)",
+    )
     from fshard._bench._spec import add_bench_parser  # bench's flags live with bench
 
     add_bench_parser(commands, _Formatter)
@@ -184,39 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _for_safetensors(state: dict[str, Any]) -> dict[str, Any]:
-    """Contiguous CPU tensors, each with its own storage (safetensors rejects shared storage)."""
-    import torch
-
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"consolidate returned non-tensor values for {', '.join(map(repr, bad))}")
-    for key, tensor in state.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        ident = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
-        if ident in seen and tensor.numel():
-            tensor = tensor.clone()  # tied weights: safetensors stores each key on its own
-        seen.add(ident)
-        out[key] = tensor
-    return out
 
 
-def _unstorable_in_safetensors(tensors: dict[str, Any]) -> str:
-    """The dtypes safetensors has no code for (complex128, complex32), with their keys, or ''."""
-    import safetensors.torch
-
-    from fshard._errors import first_few
-
-    known = getattr(safetensors.torch, "_SIZE", None)  # its dtype table (not public)
-    if not isinstance(known, dict):
-        return ""  # (then save_file's own error is reported)
-    by_dtype: dict[str, list[str]] = {}
-    for key, tensor in tensors.items():
-        if tensor.dtype not in known:
-            by_dtype.setdefault(str(tensor.dtype).removeprefix("torch."), []).append(key)
-    return "; ".join(f"{dtype} ({first_few([repr(k) for k in keys])})" for dtype, keys in by_dtype.items())
 
 
 def _newest_inside_hint(path: str) -> str:
@@ -252,39 +228,32 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         error(f"consolidate: {str(output)!r} exists; pass --force to overwrite it")
         return 2
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
-    from fshard.checkpoint import CheckpointError, consolidate
+    from fshard.checkpoint import CheckpointError, consolidate_to
 
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error(f"consolidate: cannot write {str(output)!r}: {type(exc).__name__}: {exc}")
+        return 2
+    try:
         # A checkpoint dir briefly missing after a crash mid-save is recovered by consolidate.
-        full = consolidate(args.checkpoint)
+        # One tensor at a time: [Note: streamed consolidate].
+        done = consolidate_to(args.checkpoint, output, optimizer=args.optimizer)
     except CheckpointError as exc:
         error(f"consolidate: {exc}{_newest_inside_hint(args.checkpoint)}")
         return 2
-    tensors = _for_safetensors(full)
-    as_torch = output.suffix.lower() in _TORCH_SAVE_SUFFIXES
-    unstorable = "" if as_torch else _unstorable_in_safetensors(tensors)
-    if unstorable:
+    except TypeError as exc:  # a dtype safetensors has no code for
         error(
-            f"consolidate: safetensors cannot store {unstorable}; write a torch.save file "
-            f"instead: fshard consolidate CKPT {output.with_suffix('.pt').name}"
+            f"consolidate: {exc}; write a torch.save file instead: fshard consolidate CKPT "
+            f"{output.with_suffix('.pt').name}"
         )
         return 2
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        if as_torch:
-            import torch
-
-            torch.save(tensors, output)
-        else:
-            save_file(tensors, str(output), metadata={"format": "pt"})
     except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as exc:
         error(f"consolidate: cannot write {str(output)!r}: {type(exc).__name__}: {exc}")
         return 2
     _chmod_like_a_new_file(output)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote {len(tensors)} tensors ({nbytes / 2**20:.1f} MiB) to {output}")
+    print(f"wrote {done.tensors} tensors ({done.nbytes / 2**20:.1f} MiB) to {output}")
     return 0
 
 

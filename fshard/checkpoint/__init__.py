@@ -32,7 +32,7 @@ Every file's size and CRC32 are recorded in the manifest and checked before read
 truncated or corrupted file is an error that names it.
 """
 
-from fshard.checkpoint._consolidate import consolidate, latest
+from fshard.checkpoint._consolidate import Consolidated, consolidate, consolidate_to, latest
 from fshard.checkpoint._load import load
 from fshard.checkpoint._manifest import FORMAT as FORMAT
 from fshard.checkpoint._manifest import MANIFEST as MANIFEST
@@ -42,4 +42,4 @@ from fshard.checkpoint._save import save
 
 # MANIFEST (the manifest's file name), FORMAT and VERSION are public too; constants carry no
 # docstring of their own, so the API docs (which read ``__all__``) leave them out.
-__all__ = ["CheckpointError", "consolidate", "is_complete", "latest", "load", "save"]
+__all__ = ["CheckpointError", "Consolidated", "consolidate", "consolidate_to", "is_complete", "latest", "load", "save"]

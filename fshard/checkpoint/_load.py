@@ -14,100 +14,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
 from fshard._errors import ProblemList
 from fshard._materialize import allocate_for_load
-from fshard._param import ParamSlot
 from fshard._state_dict._common import (
     meta_tensors,
     model_entries,
     non_persistent_meta_problems,
-    param_names,
     ranks_agree,
     root_info,
     unfilled_meta_problems,
 )
 from fshard._state_dict._model import load_state_dict, state_dict
 from fshard._state_dict._optim import load_optim
-from fshard._state_dict._optim_checks import OPTIMIZER_CLASS_KEY, STRICT_HINT
-from fshard._unit._module_state_dict import as_dtensor
+from fshard._state_dict._optim_checks import OPTIMIZER_CLASS_KEY
 from fshard.checkpoint._manifest import (
     EXTRA_DIR,
     EXTRA_KEY,
+    FULL,
+    FULL_MODEL_FILE,
     CheckpointError,
     decode,
     read_manifest,
     resolve,
     verify_files,
 )
+from fshard.checkpoint._plain import Stored, is_plain_dcp, load_plain, summary
 from fshard.checkpoint._ranks import raise_if_any_rank_failed, require_dist
 from fshard.checkpoint._safe_read import safe_dcp_load
+from fshard.checkpoint._templates import optim_template as optim_template
 from fshard.transforms import Layout
 
 logger = logging.getLogger("fshard")
-
-
-def optim_template(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    desc: Mapping[str, Any],
-    where: str,
-    *,
-    strict: bool,
-) -> dict[str, dict[str, Any]]:
-    """Empty tensors to load the saved optimizer state into, laid out like this run's params.
-
-    With ``strict=False`` the state of parameters the optimizer does not hold is left out (not
-    read); otherwise it is an error.
-    """
-    names = param_names(model_entries(model, where))
-    by_name: dict[str, tuple[ParamSlot | None, torch.Tensor]] = {}
-    on_device_step: set[str] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in names:
-                name, slot = names[id(p)]
-                by_name[name] = (slot, p)
-                if group.get("capturable") or group.get("fused"):
-                    on_device_step.add(name)
-    problems = ProblemList(where)
-    out: dict[str, dict[str, Any]] = {}
-    for name, entries in desc["state"].items():
-        if name not in by_name:
-            if strict:
-                problems.add(
-                    f"the checkpoint has optimizer state for {name!r}, which the optimizer does "
-                    "not hold"
-                )
-            continue
-        slot, param = by_name[name]
-        per: dict[str, Any] = {}
-        for key, d in entries.items():
-            if d["kind"] == "object":
-                per[key] = None
-                continue
-            dtype = getattr(torch, d["dtype"])
-            shape = tuple(d["shape"])
-            if key == "step" and name not in on_device_step:
-                # As torch's optimizers keep it: on the CPU unless capturable or fused (a step
-                # on the GPU costs two host syncs per parameter and step). Also the step of a
-                # 0-d parameter, shaped like it and so saved as its (replicated) shard.
-                per[key] = torch.empty(shape, dtype=dtype, device="cpu")
-            elif d["kind"] == "sharded" and slot is not None:
-                if shape != tuple(slot.layout.full_shape):
-                    problems.add(
-                        f"optimizer state {name!r}[{key!r}]: shape mismatch, the checkpoint has "
-                        f"{list(shape)} but the parameter has {list(slot.layout.full_shape)}"
-                    )
-                    continue
-                local = torch.empty(slot.layout.local_shape, dtype=dtype, device=param.device)
-                per[key] = as_dtensor(slot, local)
-            else:
-                per[key] = torch.empty(shape, dtype=dtype, device=param.device)
-        out[name] = per
-    problems.raise_if_any(ValueError, hint=STRICT_HINT if strict else "")
-    return out
 
 
 def _optim_to_load(desc: Mapping[str, Any], state: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -126,7 +66,8 @@ def load(
     strict: bool = True,
     verify: bool = True,
 ) -> Any:
-    """Load a checkpoint written by ``save`` into a sharded ``model`` (and ``optimizer``).
+    """Load a checkpoint written by ``save`` (or a plain DCP directory) into a sharded
+    ``model`` (and ``optimizer``).
 
     Collective. Works at any world size and mesh shape (each rank reads the byte ranges of its
     own shards). Returns this rank's ``extra`` (a rank that did not exist when saving gets rank
@@ -143,6 +84,13 @@ def load(
     holds its parameters (see ``fshard.load_optim_state_dict``). Shape mismatches are errors
     either way.
 
+    Both of ``save``'s forms load (the manifest says which): SHARDED_STATE_DICT, and
+    FULL_STATE_DICT, whose ``model.safetensors`` each rank reads only its own rows of. A DCP
+    directory written without fshard (no manifest; FSDP2's ``dcp.save(model.state_dict())``, or
+    ``{"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}``; the
+    optimizer under ``"optim"`` or ``"optimizer"``) loads too, at any world size, and returns
+    ``None`` (it has no ``extra``); see [Note: plain DCP checkpoints] in ``_plain``.
+
     A model built on the meta device (on some ranks or all) and sharded needs no
     ``fshard.materialize``: each rank allocates only its own shards, which the load fills (see
     ``fshard.load_state_dict``).
@@ -155,7 +103,17 @@ def load(
     require_dist(where)
     path = os.path.abspath(os.fspath(path))
     rank = dist.get_rank()
-    given, root, manifest = _find_on_rank0(path)
+    found = _find_on_rank0(path)
+    if len(found) == 2:  # a plain DCP directory: [Note: plain DCP checkpoints]
+        given, stored = found
+        if path != given:
+            raise ValueError(
+                f"every rank must pass the same path: rank 0 passed {given!r}, rank {rank} "
+                f"passed {path!r}"
+            )
+        load_plain(given, stored, model, optimizer, strict=strict)
+        return None
+    given, root, manifest = found
     if verify:
         verify_files(root, manifest, distributed=True)
 
@@ -187,8 +145,16 @@ def load(
         to_load["model"] = {k: model_sd[k] for k in to_load["model"]}
         if optimizer is not None and optim_desc is not None:
             to_load["optim"] = optim_template(model, optimizer, optim_desc, where, strict=strict)
+    model_template = to_load["model"]
+    if manifest.get("state_dict_type") == FULL:
+        # The tensors are in model.safetensors; DCP holds the modules' extra state only.
+        tensors = {k: v for k, v in model_template.items() if isinstance(v, torch.Tensor)}
+        error = read_full_model(os.path.join(root, FULL_MODEL_FILE), tensors)
+        raise_if_any_rank_failed(error, where, "checkpoint.load")
+        to_load["model"] = {k: v for k, v in model_template.items() if k not in tensors}
     safe_dcp_load(to_load, root, no_dist=False)
-    load_state_dict(model, to_load["model"], strict=False)
+    model_template.update(to_load["model"])
+    load_state_dict(model, model_template, strict=False)
     if optim_loader is not None and optim_desc is not None:
         optim_loader(_optim_to_load(optim_desc, to_load["optim"]))
     extra, error = None, None
@@ -200,16 +166,68 @@ def load(
     return extra
 
 
-def _find_on_rank0(path: str) -> tuple[str, str, dict[str, Any]]:
+def read_full_model(path: str, template: Mapping[str, torch.Tensor]) -> str | None:
+    """Fill ``template`` (``fshard.state_dict``'s tensors) in place from a FULL_STATE_DICT
+    checkpoint's safetensors file: each rank reads only the rows of its own shards (the file is
+    memory-mapped). Returns this rank's problem, if any (the caller has the ranks agree)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            have = set(f.keys())
+            missing = [k for k in template if k not in have]
+            if missing:
+                return f"{path} lacks key(s) {missing}"
+            for key, value in template.items():
+                if isinstance(value, DTensor):
+                    local = value.to_local()
+                    chunks = value.__create_chunk_list__()
+                    if len(chunks) != 1:
+                        return f"{key!r}: {len(chunks)} chunks on one rank, expected 1"
+                    offsets, sizes = chunks[0].offsets, chunks[0].sizes
+                else:
+                    local = value
+                    offsets, sizes = torch.Size([0] * value.dim()), value.shape
+                if local.numel() == 0:
+                    continue
+                if local.dim() == 0:
+                    piece = f.get_tensor(key)
+                else:
+                    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+                    piece = f.get_slice(key)[index]
+                if tuple(piece.shape) != tuple(local.shape):
+                    return (
+                        f"{path}: {key!r} gave a piece of shape {list(piece.shape)}, this rank "
+                        f"holds {list(local.shape)}"
+                    )
+                with torch.no_grad():
+                    local.copy_(piece)
+                del piece
+    except FileNotFoundError:
+        return f"checkpoint model file {path} is missing"
+    except Exception as exc:  # any read failure names the file
+        return f"checkpoint model file {path} is corrupted ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _find_on_rank0(
+    path: str,
+) -> tuple[str, str, dict[str, Any]] | tuple[str, dict[str, Stored]]:
     """Rank 0's ``path``, the checkpoint it resolves to and its manifest, on every rank (rank
-    0's error, if it found none, raised on every rank)."""
-    found: tuple[str, str, dict[str, Any]] | str
+    0's error, if it found none, raised on every rank); for a plain DCP directory, rank 0's
+    ``path`` and the summary of its keys."""
+    found: tuple[str, str, dict[str, Any]] | tuple[str, dict[str, Stored]] | str
     if dist.get_rank() == 0:
         try:
-            resolved = resolve(path)
-            found = (path, resolved, read_manifest(resolved))
+            if is_plain_dcp(path):
+                found = (path, summary(path))
+            else:
+                resolved = resolve(path)
+                found = (path, resolved, read_manifest(resolved))
         except CheckpointError as exc:
             found = str(exc)
+            if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+                found += " (nor is it a DCP checkpoint: it has no .metadata)"
     else:
         found = ""
     found = _collectives.broadcast_objects(found, 0, None, label="checkpoint.load")

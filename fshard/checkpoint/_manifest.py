@@ -37,6 +37,17 @@ EXTRA_DIR = "extra"
 EXTRA_KEY = "fshard_extra"
 
 
+# The manifest's "state_dict_type": how the model was saved (a checkpoint of an fshard that did
+# not record it is SHARDED). A FULL one holds the model's tensors in FULL_MODEL_FILE.
+SHARDED = "SHARDED_STATE_DICT"
+
+
+FULL = "FULL_STATE_DICT"
+
+
+FULL_MODEL_FILE = "model.safetensors"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or corrupted; the message names the file.
 

@@ -153,10 +153,21 @@ class _SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
 
-def safe_dcp_load(state: dict[str, Any], root: str, *, no_dist: bool) -> None:
-    """``dcp.load`` through the safe reader; our own errors come out as ``CheckpointError``."""
+def read_metadata(root: str) -> Metadata:
+    """DCP's index of the checkpoint at ``root``, read without unpickling arbitrary objects."""
+    return _SafeReader(root).read_metadata()
+
+
+def safe_dcp_load(
+    state: dict[str, Any], root: str, *, no_dist: bool, metadata: Metadata | None = None
+) -> None:
+    """``dcp.load`` through the safe reader; our own errors come out as ``CheckpointError``.
+
+    ``metadata`` (from ``read_metadata``) saves reading it again, for many small loads.
+    """
     # Read (and check) the metadata here: DCP turns a failure to read it into a fallback attempt.
-    metadata = _SafeReader(root).read_metadata()
+    if metadata is None:
+        metadata = _SafeReader(root).read_metadata()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns when it runs without a process group

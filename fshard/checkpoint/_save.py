@@ -24,14 +24,21 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from fshard import _collectives
+from fshard._config import StateDictType, config_of
+from fshard._mesh import src_rank
+from fshard._state_dict._common import gather_full, model_entries, plain_value, root_info
 from fshard._state_dict._model import layout_of, state_dict
 from fshard._state_dict._optim import optim_state
 from fshard._state_dict._optim_checks import OPTIMIZER_CLASS_KEY
+from fshard._unit._module_state_dict import local_shard
 from fshard.checkpoint._manifest import (
     EXTRA_DIR,
     EXTRA_KEY,
     FORMAT,
+    FULL,
+    FULL_MODEL_FILE,
     MANIFEST,
+    SHARDED,
     VERSION,
     CheckpointError,
     crc32,
@@ -44,6 +51,7 @@ from fshard.checkpoint._manifest import (
     write_durable,
 )
 from fshard.checkpoint._ranks import raise_if_any_rank_failed, require_dist
+from fshard.checkpoint._safetensors import StreamWriter, TensorSpec, unstorable
 from fshard.transforms import Layout
 
 logger = logging.getLogger("fshard")
@@ -81,8 +89,10 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
+    *,
+    state_dict_type: StateDictType | str | None = None,
 ) -> None:
-    """Save a sharded checkpoint of ``model`` (and ``optimizer``, and ``extra``) at ``path``.
+    """Save a checkpoint of ``model`` (and ``optimizer``, and ``extra``) at ``path``.
 
     Collective: every rank calls it. Each rank writes only its shards through DCP; the write is
     atomic (written to a temporary sibling directory, then renamed), so a crash leaves the
@@ -93,8 +103,17 @@ def save(
     values (None, bool, int, float, str, lists, tuples, dicts) and tensors, e.g.
     ``{"step": 100, "rng": torch.get_rng_state()}``; ``load`` gives each rank back what it saved.
 
+    ``state_dict_type`` (``"SHARDED_STATE_DICT"``, ``"FULL_STATE_DICT"``, or the
+    ``StateDictType`` enum that ``fshard.config_of(model).state_dict_type`` holds) picks how the
+    model is written; ``None`` follows the model's ``fsdp_state_dict_type`` (from
+    ``from_config``), and a model without a config is saved sharded. SHARDED_STATE_DICT: each rank writes its shards. FULL_STATE_DICT:
+    the model's tensors go to ``path/model.safetensors``, written by rank 0 as they are gathered,
+    one parameter at a time (no rank holds more than one full parameter); the optimizer and
+    ``extra`` are saved sharded either way. ``load`` and ``consolidate`` read both.
+
     Example:
         >>> fshard.checkpoint.save("runs/step-100", model, opt, extra={"step": 100})  # doctest: +SKIP
+        >>> fshard.checkpoint.save("runs/final", model, state_dict_type="FULL_STATE_DICT")  # doctest: +SKIP
     """
     where = "fshard.checkpoint.save"
     require_dist(where)
@@ -110,8 +129,13 @@ def save(
     except Exception as exc:  # agreed on below, so no rank is left waiting
         error = f"extra cannot be stored ({type(exc).__name__}: {exc})"
     raise_if_any_rank_failed(error, where, "checkpoint.save", TypeError)
+    kind = saved_as(model, state_dict_type, where)
     layout = layout_of(model)
     sd: dict[str, Any] = {"model": state_dict(model)}
+    model_keys = list(sd["model"])
+    if kind == FULL:
+        # The tensors go to model.safetensors; modules' extra state (objects) through DCP.
+        sd["model"] = {k: v for k, v in sd["model"].items() if not isinstance(v, torch.Tensor)}
     optim_desc = None
     if optimizer is not None:
         # What the optimizer holds: before its first step, nothing (the resumed run's first
@@ -125,15 +149,22 @@ def save(
         # alike (BatchNorm statistics): rank 0's are saved, as full_state_dict gives them.
         # Left to DCP, it would spread the duplicates over the ranks to balance the writes.
         sd = _without_plain_tensors(sd)
-    token, chosen = _collectives.broadcast_objects(
-        (uuid.uuid4().hex[:12], path) if rank == 0 else None, 0, None, label="checkpoint.save"
+    token, chosen, chosen_kind = _collectives.broadcast_objects(
+        (uuid.uuid4().hex[:12], path, kind) if rank == 0 else None, 0, None, label="checkpoint.save"
     )
     tmp = f"{path}.tmp-{token}"
     error = _first_unloadable(sd, "")
+    if error is None and kind == FULL:
+        error = _unstorable_problem(layout)
     if error is None and path != chosen:  # a timestamp or a rank in the name: each rank would write its own part
         error = (
             f"every rank must pass the same path: rank 0 passed {chosen!r}, rank {rank} "
             f"passed {path!r}"
+        )
+    elif error is None and kind != chosen_kind:
+        error = (
+            f"every rank must save the same state_dict_type: rank 0 saves {chosen_kind}, rank "
+            f"{rank} {kind}"
         )
     elif error is None and rank == 0:
         error = _target_problem(path)
@@ -149,14 +180,80 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        _write_and_publish(sd, tmp, path, token, extra_tensors, extra_json, layout, optim_desc)
+        _write_and_publish(
+            sd, tmp, path, token, extra_tensors, extra_json, layout, optim_desc,
+            model=model if kind == FULL else None, model_keys=model_keys,
+        )
     except BaseException:
         # Every rank has stopped writing (each failure in there is agreed on). Not once the
         # swap moved the previous checkpoint aside: then this one is what loading recovers.
         if rank == 0 and not os.path.lexists(f"{path}.old-{token}"):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("fshard: saved checkpoint %s", path)
+    logger.info("fshard: saved checkpoint %s (%s)", path, kind)
+
+
+def saved_as(model: nn.Module, state_dict_type: StateDictType | str | None, where: str) -> str:
+    """``SHARDED`` or ``FULL``: the keyword if given, else the model's config, else SHARDED."""
+    if state_dict_type is None:
+        config = config_of(model)
+        state_dict_type = config.state_dict_type if config is not None else SHARDED
+    name = state_dict_type.value if isinstance(state_dict_type, StateDictType) else state_dict_type
+    if name not in (SHARDED, FULL):
+        raise ValueError(
+            f"{where}: state_dict_type={state_dict_type!r}; expected 'SHARDED_STATE_DICT', "
+            "'FULL_STATE_DICT' (or fshard.StateDictType), or None to follow the model's config"
+        )
+    return str(name)
+
+
+def _unstorable_problem(layout: Layout) -> str | None:
+    specs = [TensorSpec(k, e.torch_dtype, tuple(e.full_shape)) for k, e in layout.items()]
+    bad = unstorable(specs)
+    if not bad:
+        return None
+    what = "; ".join(f"{dtype} ({', '.join(map(repr, keys))})" for dtype, keys in bad.items())
+    return (
+        f"FULL_STATE_DICT writes {FULL_MODEL_FILE}, and safetensors cannot store {what}; save "
+        "with state_dict_type='SHARDED_STATE_DICT'"
+    )
+
+
+def _write_full_model(model: nn.Module, layout: Layout, path: str) -> str | None:
+    """Gather the model one parameter at a time and write it to ``path`` from the mesh's rank 0
+    ([Note: streamed safetensors]). Collective; returns this rank's problem, if any.
+
+    Every rank takes part in every gather even once the writer failed (a full disk), so that
+    none is left waiting; the failure is reported after the last one.
+    """
+    where = "fshard.checkpoint.save"
+    writes = dist.get_rank() == src_rank(root_info(model, where))
+    entries = [e for e in model_entries(model, where) if e.key in layout]
+    writer = None
+    error = None
+    if writes:
+        specs = [TensorSpec(e.key, layout[e.key].torch_dtype, tuple(layout[e.key].full_shape)) for e in entries]
+        try:
+            writer = StreamWriter(path, specs, {"format": "pt"})
+        except OSError as exc:
+            error = f"cannot write {path}: {exc}"
+    for e in entries:
+        if e.slot is not None:
+            full = gather_full(e.slot, local_shard(e.slot), rank0_only=True, label=f"checkpoint.save({e.key})")
+        else:
+            full = plain_value(e.value) if writes else None
+        if writer is not None and error is None and full is not None:
+            try:
+                writer.write(e.key, full)
+            except (OSError, ValueError) as exc:
+                error = f"writing {path}: {type(exc).__name__}: {exc}"
+        del full  # one full parameter at a time
+    if writer is not None:
+        try:
+            writer.close()
+        except (OSError, ValueError) as exc:
+            error = error or f"writing {path}: {type(exc).__name__}: {exc}"
+    return error
 
 
 def _first_unloadable(tree: Any, key: str) -> str | None:
@@ -234,9 +331,12 @@ def _write_and_publish(
     extra_json: str,
     layout: Layout,
     optim_desc: dict[str, Any] | None,
+    *,
+    model: nn.Module | None,
+    model_keys: list[str],
 ) -> None:
-    """``save`` from the temporary directory on: the shards, the extra state, the manifest,
-    then the swap into ``path``."""
+    """``save`` from the temporary directory on: the shards, the full model (FULL_STATE_DICT:
+    ``model`` is given), the extra state, the manifest, then the swap into ``path``."""
     where = "fshard.checkpoint.save"
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -244,6 +344,9 @@ def _write_and_publish(
     except (Exception, CheckpointException) as exc:  # on every rank when one fails to write
         # (DCP's CheckpointException derives from BaseException.)
         raise CheckpointError(f"{where}: writing the shards to {tmp} failed: {exc}") from exc
+    if model is not None:
+        error = _write_full_model(model, layout, os.path.join(tmp, FULL_MODEL_FILE))
+        raise_if_any_rank_failed(error, where, "checkpoint.save")
 
     error = None
     try:
@@ -275,7 +378,8 @@ def _write_and_publish(
                 "created": time.time(),
                 "world_size": world,
                 "model": layout.to_json(),
-                "model_keys": list(sd["model"].keys()),
+                "model_keys": model_keys,
+                "state_dict_type": FULL if model is not None else SHARDED,
                 "optimizer": optim_desc,
                 "extra_ranks": world,
                 "files": files,
