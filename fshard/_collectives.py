@@ -246,6 +246,7 @@ def reset_hang_state() -> None:
     _hang.reset()
     _LAST_API.clear()
     _AGREE_NEXT.clear()
+    _ISSUED.clear()  # (works a failed task issued and never waited for)
 
 
 def agree_before_next(reason: str, groups: list[dist.ProcessGroup]) -> None:
