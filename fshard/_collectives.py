@@ -290,11 +290,29 @@ def _finish(work: dist.Work | None, where: _hang.Where, group: dist.ProcessGroup
     """An issued collective: returned for a later ``wait`` (async), or waited for now."""
     if work is None:
         return None
+    if not _waits_on_host(group):
+        # NCCL: wait() only orders the CUDA stream; a wait in slices would block the host on
+        # every collective. Its hangs are NCCL's watchdog's (see [Note: the hang check]).
+        if not async_op:
+            work.wait()
+        return work if async_op else None
     if async_op:
         _ISSUED[id(work)] = (where, group, work)
         return work
     _hang.checked_wait(work, where, group)
     return None
+
+
+_HOST_WAITS: dict[dist.ProcessGroup | None, bool] = {}
+
+
+def _waits_on_host(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s collectives are waited for on the host (gloo), where the hang check
+    can wait in slices."""
+    known = _HOST_WAITS.get(group)
+    if known is None:
+        known = _HOST_WAITS[group] = dist.get_backend(group) == "gloo"
+    return known
 
 
 _DEBUG = [debug_checks()]
@@ -334,6 +352,8 @@ _RECORDS: dict[dist.ProcessGroup, SequenceRecord] = {}
 # Drop the group references before interpreter finalization (see _mesh: gloo groups must not be
 # torn down during it).
 atexit.register(_RECORDS.clear)
+atexit.register(_HOST_WAITS.clear)
+atexit.register(_GROUP_KEYS.clear)
 
 
 def start_recording(group: dist.ProcessGroup) -> None:

@@ -77,3 +77,28 @@ def test_a_failed_unit_collective_names_fshard_calls_made_on_some_ranks():
     message = str(info.value)
     assert "an fshard call made on some ranks only" in message
     assert "no_sync and set_requires_gradient_sync change what the backward does" in message
+
+
+class _FakeWork:
+    def __init__(self) -> None:
+        self.timeouts: list[object] = []
+
+    def wait(self, timeout: object = None) -> bool:
+        self.timeouts.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize(("backend", "sliced"), [("gloo", True), ("nccl", False)])
+def test_only_host_waits_are_waited_in_slices(monkeypatch, backend, sliced):
+    """gloo collectives are waited for in slices of FSHARD_HANG_CHECK_S (the hang check); an
+    NCCL wait only orders the CUDA stream, so a timed wait would block the host: plain wait()."""
+    from fshard import _collectives, _hang
+
+    group = object()
+    monkeypatch.setattr(_collectives.dist, "get_backend", lambda g: backend)
+    monkeypatch.setattr(_hang, "_ensure_heartbeat", lambda: None)
+    where = _hang.Where("all_gather", "blocks.0", "0,1", 1, "forward")
+    work = _FakeWork()
+    _collectives._finish(work, where, group, async_op=False)  # type: ignore[arg-type]
+    _collectives._HOST_WAITS.pop(group, None)
+    assert (work.timeouts != [None]) == sliced, work.timeouts
