@@ -20,6 +20,7 @@ from fshard._controls import (
     set_gradient_divide_factor,
     set_prefetch,
     set_requires_gradient_sync,
+    set_coalescing,
     set_reshard_after_backward,
     set_reshard_after_forward,
     unshard,
@@ -58,6 +59,7 @@ __all__ = [
     # control
     "no_sync",
     "set_requires_gradient_sync",
+    "set_coalescing",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "register_forward_method",

@@ -167,7 +167,9 @@ _HINT = (
 
 
 # Labels of fshard's own cross-rank checks (not a unit's collectives, not a user's call).
-_CHECK_LABELS = frozenset({"check_collective_order", "check_unit_order", "root_init", "set_prefetch"})
+_CHECK_LABELS = frozenset(
+    {"check_collective_order", "check_unit_order", "root_init", "set_prefetch", "set_coalescing"}
+)
 
 # Labels of the collectives that fshard's functions (not a unit's forward or backward) issue.
 _API_LABELS = (

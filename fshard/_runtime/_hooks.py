@@ -447,8 +447,7 @@ def _pre_forward(
         # backward. A unit called outside the model's forward prefetches nothing: no end of
         # a model's forward frees what it would prefetch.
         group.forward_mark = root.forwards
-        for target in root.forward_targets(group):
-            target.unshard(async_op=True)
+        root.prefetch_for_forward(group)
     args, kwargs = _cast_inputs(group, args, kwargs)
     if not torch.is_grad_enabled():
         _note_gradless_segment(group, root, args, kwargs)

@@ -17,8 +17,13 @@ from fshard._options import BackwardPrefetch, debug_checks
 from fshard._profiling import phase
 from fshard._runtime._checks import check_params_in_place
 from fshard._runtime._optim_hooks import _UNSYNCED
-from fshard._unit._group import ParamGroup, ShardedState, TrainingState
-from fshard._unit._reduce import PendingAllReduce, PendingReduce
+from fshard._unit._group import ParamGroup, ShardedState, TrainingState, unshard_together
+from fshard._unit._reduce import (
+    PendingAllReduce,
+    PendingReduce,
+    UnissuedReduce,
+    reduce_scatter_together,
+)
 from fshard._unit._registry import in_backward, units_made
 
 logger = logging.getLogger("fshard")
@@ -62,6 +67,10 @@ class RootState:
         self._callback_token: weakref.ref[_FinalCallback] | None = None
         self._parked: list[ParamGroup] = []  # see ParamGroup.release_parked
         self._pending_reduces: list[PendingReduce | PendingAllReduce] = []
+        # Reduce-scatter inputs built and not yet issued, and their bytes: [Note: coalesced
+        # reduce-scatters] in _reduce.
+        self._unissued: list[UnissuedReduce] = []
+        self._unissued_bytes = 0
         self._next_forward: dict[int, list[ParamGroup]] = {}
         self._next_backward: dict[int, list[ParamGroup]] = {}
         # See [Note: Ranks must issue the same collectives] in _collectives. FSHARD_DEBUG also
@@ -267,6 +276,52 @@ class RootState:
             return []
         return self._next_forward.get(id(group), [])
 
+    def prefetch_for_forward(self, group: ParamGroup) -> None:
+        """Start gathering the units the forward reaches after ``group``'s."""
+        explicit = group.explicit_forward_prefetch is not None
+        for target in self.forward_targets(group):
+            if explicit:
+                target.unshard(async_op=True)
+            else:
+                self.unshard_ahead(target, self._next_forward)
+
+    def unshard_ahead(self, target: ParamGroup, order: dict[int, list[ParamGroup]]) -> None:
+        """Issue ``target``'s all-gather ahead of its use, together with the units that
+        ``order`` (the recorded forward or backward) runs right after it while they fit in its
+        ``coalesce_bytes`` (see [Note: coalesced all-gathers] in _group)."""
+        cap = target.coalesce_bytes
+        used = target.coalescable_bytes() if cap else 0
+        run = [target]
+        if 0 < used <= cap:
+            backward = order is self._next_backward
+            dtype = target.buckets[0].compute_dtype
+            process_group = target.mesh_info.shard_group
+            following = order.get(id(target))
+            while following:
+                candidate = following[0]
+                if (
+                    candidate in run
+                    or candidate.explicit_forward_prefetch is not None
+                    or candidate.explicit_backward_prefetch is not None
+                    or (backward and (candidate.grads_reduced or candidate.skipped_by_backward()))
+                ):
+                    break
+                nbytes = candidate.coalescable_bytes() if candidate.coalesce_bytes else 0
+                if (
+                    not nbytes
+                    or used + nbytes > cap
+                    or candidate.mesh_info.shard_group is not process_group
+                    or candidate.buckets[0].compute_dtype != dtype
+                ):
+                    break
+                run.append(candidate)
+                used += nbytes
+                following = order.get(id(candidate))
+        if len(run) == 1:
+            target.unshard(async_op=True)
+        else:
+            unshard_together(run)
+
     def backward_targets(self, group: ParamGroup, moment: BackwardPrefetch) -> list[ParamGroup]:
         if self._check_every_step:
             return []
@@ -296,8 +351,10 @@ class RootState:
             seen.add(id(target))
             if target.skipped_by_backward():
                 pending.extend(self.backward_targets(target, moment))
-            else:
+            elif group.explicit_backward_prefetch is not None:
                 target.prefetch_for_backward()
+            elif not target.grads_reduced:
+                self.unshard_ahead(target, self._next_backward)
 
     def ensure_final_callback(self) -> None:
         if self._callback_queued:  # (the common case, once per gradient: one test and a weakref)
@@ -333,7 +390,34 @@ class RootState:
         if self._callback_queued and token is not None and token() is None:
             self._recover_from_aborted_backward()
 
+    def queue_reduce(self, unissued: UnissuedReduce, max_bytes: int) -> None:
+        """Hold ``unissued`` to be issued with the next reduce-scatters, up to ``max_bytes`` of
+        input in all; issue what was held first where it would not fit beside it."""
+        nbytes = unissued.input.numel() * unissued.input.element_size()
+        held = self._unissued
+        if held and (
+            self._unissued_bytes + nbytes > max_bytes
+            or held[0].input.dtype != unissued.input.dtype
+            or held[0].mesh_info.shard_group is not unissued.mesh_info.shard_group
+        ):
+            self.issue_queued_reduces()
+        self._unissued.append(unissued)
+        self._unissued_bytes += nbytes
+        if self._unissued_bytes >= max_bytes:
+            self.issue_queued_reduces()
+
+    def issue_queued_reduces(self) -> None:
+        """Issue the held reduce-scatter inputs as one collective."""
+        held, self._unissued, self._unissued_bytes = self._unissued, [], 0
+        if held:
+            pendings = reduce_scatter_together(held)
+            self._add_pending_reduces(pendings)
+
     def add_pending_reduce(self, pending: PendingReduce) -> None:
+        self.issue_queued_reduces()
+        self._add_pending_reduces([pending])
+
+    def _add_pending_reduces(self, pendings: list[PendingReduce]) -> None:
         """Issue-order pipeline: at most one reduce-scatter and one all-reduce in flight.
 
         Landing the previous reduce-scatter issues its cross-replica all-reduce (2D meshes),
@@ -345,9 +429,10 @@ class RootState:
             follow_up = item.finish()
             if follow_up is not None:
                 self._pending_reduces.append(follow_up)
-        self._pending_reduces.append(pending)
+        self._pending_reduces.extend(pendings)
 
     def finish_reduces(self) -> None:
+        self.issue_queued_reduces()
         while self._pending_reduces:
             follow_up = self._pending_reduces.pop(0).finish()
             if follow_up is not None:
@@ -423,6 +508,9 @@ class RootState:
         self._parked = []
         self._next_step()
         pending, self._pending_reduces = self._pending_reduces, []
+        # (Not issued on any rank that failed at the same point: nothing to wait for. They
+        # carry no no_sync sums: such reduces are issued alone.)
+        self._unissued, self._unissued_bytes = [], 0
         failure: BaseException | None = None
         while pending:
             item = pending.pop(0)

@@ -256,7 +256,7 @@ def _prefetch_setting(g: ParamGroup) -> str:
     return (
         f"forward={labels(g.explicit_forward_prefetch)} (default on: "
         f"{g.forward_prefetch_default}), backward={labels(g.explicit_backward_prefetch)} "
-        f"(default: {g.backward_prefetch_default.name})"
+        f"(default: {g.backward_prefetch_default.name}), coalescing={g.coalesce_bytes}"
     )
 
 
@@ -295,7 +295,7 @@ def _gather_over_mesh(root: ParamGroup, obj: Any, label: str = "root_init") -> l
     return sorted(mine, key=lambda item: item[0])
 
 
-def check_prefetch_alike(root: RootState) -> None:
+def check_prefetch_alike(root: RootState, api: str = "set_prefetch") -> None:
     """After ``fshard.set_prefetch`` on a model that has run: every rank must have the same
     prefetch settings, or the ranks issue their all-gathers in different orders, and units of
     one size exchange each other's rows without an error. Compared with one object all-gather
@@ -305,16 +305,16 @@ def check_prefetch_alike(root: RootState) -> None:
     if root.root.mesh_info.dp_size == 1:
         return
     settings = [(g.label, _prefetch_setting(g)) for g in root.groups]
-    everyone = _gather_over_mesh(root.root, settings, label="set_prefetch")
+    everyone = _gather_over_mesh(root.root, settings, label=api)
     ref_rank, ref = everyone[0]
     for rank, other in everyone[1:]:
         if other == ref:
             continue
         (unit, mine), (_, theirs) = next((a, b) for a, b in zip(ref, other, strict=False) if a != b)
         raise RankMismatchError(
-            f"fshard.set_prefetch: the ranks' prefetch settings differ: unit {unit} has "
-            f"{mine} on rank {ref_rank} but {theirs} on rank {rank}. Call set_prefetch with the "
-            "same units on every rank: the order of the all-gathers follows it, and ranks "
+            f"fshard.{api}: the ranks' prefetch settings differ: unit {unit} has "
+            f"{mine} on rank {ref_rank} but {theirs} on rank {rank}. Call {api} with the "
+            "same arguments on every rank: the order of the all-gathers follows it, and ranks "
             "issuing theirs in different orders would exchange one unit's rows for another's."
         )
 

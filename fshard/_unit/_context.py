@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from fshard._unit._reduce import PendingReduce
+from fshard._unit._reduce import PendingReduce, UnissuedReduce
 
 __all__ = ["RootContext"]
 
@@ -39,4 +39,9 @@ class RootContext(Protocol[UnitT_contra]):
 
     def add_pending_reduce(self, pending: PendingReduce) -> None:
         """Queue a reduce-scatter in flight; the root finishes it in issue order."""
+        ...
+
+    def queue_reduce(self, unissued: UnissuedReduce, max_bytes: int) -> None:
+        """Queue a reduce-scatter input for the root to issue, together with the next ones
+        while they fit in ``max_bytes`` (see [Note: coalesced reduce-scatters])."""
         ...

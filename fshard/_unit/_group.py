@@ -27,18 +27,20 @@ from fshard._profiling import phase
 from fshard._unit._backward import UnitBackward
 from fshard._unit._context import RootContext
 from fshard._unit._grad_hooks import ensure_grad_hooks, forward_tensor_hooks
-from fshard._unit._reduce import UnitGrads, reduce_scatter_grads, summed_grad
+from fshard._unit._reduce import UnitGrads, reduce_scatter_grads, reduce_scatter_input, summed_grad
 
 if TYPE_CHECKING:
     from fshard._mesh import MeshInfo
     from fshard._options import CPUOffload, MixedPrecision
 
 __all__ = [
+    "DEFAULT_COALESCE_BYTES",
     "KEPT_GATHERED",
     "ParamGroup",
     "ShardedState",
     "TrainingState",
     "group_of",
+    "unshard_together",
 ]
 
 logger = logging.getLogger("fshard")
@@ -164,6 +166,9 @@ class ParamGroup(UnitBackward, UnitGrads):
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         self.forward_prefetch_default = True
         self.backward_prefetch_default = BackwardPrefetch.BACKWARD_PRE
+        # Adjacent small units share one all-gather up to this many bytes of all-gather output
+        # (set_coalescing; 0: every unit its own). See [Note: coalesced all-gathers].
+        self.coalesce_bytes = DEFAULT_COALESCE_BYTES
         # The modules of this unit not inside another unit (built on first use, see _hooks).
         self.own_modules: list[nn.Module] | None = None
         # Per own module: its attribute count when last looked at, and the attributes that may
@@ -433,6 +438,33 @@ class ParamGroup(UnitBackward, UnitGrads):
             )
             pending.append((bucket, work, output, parts))
         return pending
+
+    def coalescable_bytes(self) -> int:
+        """The bytes of this unit's all-gather output if its gather may be issued together with
+        other units' now (a plain sharded unit: one bucket gathered over the whole shard group),
+        else 0. Decided by state every rank holds alike."""
+        if (
+            self.sharded_state is not ShardedState.SHARDED
+            or self._kept_rows is not None
+            or len(self.buckets) != 1
+            or self.mesh_info.shard_size == 1
+        ):
+            return 0
+        bucket = self.buckets[0]
+        if bucket.aliased or not bucket.is_packed():
+            return 0
+        itemsize = torch.empty(0, dtype=bucket.compute_dtype).element_size()
+        return self.mesh_info.shard_size * bucket.total * itemsize
+
+    def adopt_gather(self, work: dist.Work | None, output: torch.Tensor) -> None:
+        """SHARDED -> UNSHARDING with ``output`` (a ``(shard_size, total)`` view of an
+        all-gather issued for several units, see ``unshard_together``) as its all-gather output."""
+        nbytes = output.numel() * output.element_size()
+        GATHERED.add(nbytes)
+        self._in_flight_bytes[0] += nbytes
+        self._pending_gather = [(self.buckets[0], work, output, 0)]
+        self._versions_at_gather = self.shard_versions()
+        self.sharded_state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gathers and register the full params."""
@@ -743,6 +775,29 @@ class ParamGroup(UnitBackward, UnitGrads):
             # Reduced even with no gradient here: another rank may have some (and every rank
             # must issue the same collectives).
             grads = [summed_grad(s) for s in slots]
+            if (
+                root is not None
+                and self.coalesce_bytes
+                and len(self.buckets) == 1
+                and self.mesh_info.shard_size > 1
+                and self.requires_gradient_sync
+                and not carries_sums
+            ):
+                # Issued by the root, maybe with the next units' ([Note: coalesced
+                # reduce-scatters] in _reduce).
+                unissued = reduce_scatter_input(
+                    self,
+                    index,
+                    slots,
+                    grads,
+                    mesh_info=self.mesh_info,
+                    reduce_dtype=self.reduce_dtype(bucket),
+                    divide_factor=self.gradient_divide_factor,
+                )
+                for slot in slots:
+                    slot.drop_unsharded_grad()
+                root.queue_reduce(unissued, self.coalesce_bytes)
+                continue
             pending = reduce_scatter_grads(
                 self,
                 index,
@@ -761,6 +816,43 @@ class ParamGroup(UnitBackward, UnitGrads):
                 follow_up = pending.finish()
                 if follow_up is not None:
                     follow_up.finish()
+
+# [Note: coalesced all-gathers]
+# Over gloo (and NCCL, at a smaller scale) a collective costs a fixed latency on top of its
+# bytes: a model of many small units pays it twice per unit in every step. So when a unit's
+# gather is issued ahead of its use (forward or backward prefetch, or the first unit of a
+# forward), the units that the recorded order runs right after it join the same all-gather,
+# while each is a plain sharded unit (``coalescable_bytes``), holds at most ``coalesce_bytes``
+# and the gather stays within the first unit's ``coalesce_bytes``: one input (their flat shards
+# concatenated), one output whose ``(shard_size, sum of totals)`` view holds each unit's
+# rank-major all-gather output as a block of columns. Each unit then waits for the shared work
+# and copies its block out as if it had gathered alone, at its own time: what the user wrapped
+# and when each unit is freed do not change, only how many collectives carry them. The price
+# is memory: the units of one gather are held from its issue, at most ``coalesce_bytes`` in
+# all-gather outputs (1 MiB by default).
+DEFAULT_COALESCE_BYTES = 1 << 20
+
+
+def unshard_together(groups: list[ParamGroup]) -> None:
+    """Issue one all-gather for ``groups`` (each ``coalescable_bytes() > 0``, on one shard group
+    and compute dtype): each goes SHARDED -> UNSHARDING with its block of the output."""
+    first = groups[0]
+    inputs = [g.buckets[0].all_gather_input() for g in groups]
+    size = first.mesh_info.shard_size
+    total = sum(t.numel() for t in inputs)
+    label = f"{first.trace_name}..{groups[-1].trace_name}"
+    with phase(f"fshard::unshard({label})"):
+        flat = torch.cat(inputs)
+        output = torch.empty(size * total, dtype=flat.dtype, device=flat.device)
+        work = _collectives.all_gather_into(
+            output, flat, first.mesh_info.shard_group, label=label, async_op=True
+        )
+        columns = output.view(size, total)
+        start = 0
+        for group, part in zip(groups, inputs, strict=True):
+            group.adopt_gather(work, columns[:, start : start + part.numel()])
+            start += part.numel()
+
 
 def _forget_in_flight(in_flight_bytes: list[int]) -> None:
     GATHERED.sub(in_flight_bytes[0])

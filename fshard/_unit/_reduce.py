@@ -31,8 +31,11 @@ __all__ = [
     "PendingReduce",
     "ReduceOwner",
     "Reduced",
+    "UnissuedReduce",
     "UnitGrads",
     "reduce_scatter_grads",
+    "reduce_scatter_input",
+    "reduce_scatter_together",
     "summed_grad",
 ]
 
@@ -136,18 +139,81 @@ def reduce_scatter_grads(
 ) -> PendingReduce:
     """Issue the reduce-scatter of bucket ``index``'s unsharded grads ``grads`` (one per slot,
     ``None`` where none arrived on this rank) over the shard group."""
-    info = mesh_info
+    unissued = reduce_scatter_input(
+        owner, index, slots, grads, mesh_info=mesh_info, reduce_dtype=reduce_dtype, divide_factor=divide_factor
+    )
+    if mesh_info.shard_size == 1:
+        return unissued.pending(unissued.input.view(-1), None)
+    return reduce_scatter_together([unissued])[0]
+
+
+class UnissuedReduce(NamedTuple):
+    """A bucket's reduce-scatter input, built, its collective not yet issued (see [Note:
+    coalesced reduce-scatters])."""
+
+    owner: ReduceOwner
+    index: int
+    slots: list[ParamSlot]
+    offsets: list[int]
+    present: list[bool]
+    input: torch.Tensor  # (shard_size, total): row r is what rank r gets the sum of
+    post_divide: float
+    mesh_info: MeshInfo
+
+    def pending(self, output: torch.Tensor, work: dist.Work | None) -> PendingReduce:
+        return PendingReduce(
+            self.owner, self.index, self.slots, self.offsets, self.present, output, work, self.post_divide
+        )
+
+
+def reduce_scatter_input(
+    owner: ReduceOwner,
+    index: int,
+    slots: list[ParamSlot],
+    grads: list[torch.Tensor | None],
+    *,
+    mesh_info: MeshInfo,
+    reduce_dtype: torch.dtype,
+    divide_factor: float | None,
+) -> UnissuedReduce:
+    """Build bucket ``index``'s reduce-scatter input from its unsharded grads ``grads`` (one per
+    slot, ``None`` where none arrived on this rank)."""
     present = [g is not None for g in grads]
     reduce_input, offsets, post = _reduce_scatter_input(
-        owner, slots, grads, present, info, reduce_dtype, divide_factor
+        owner, slots, grads, present, mesh_info, reduce_dtype, divide_factor
     )
-    if info.shard_size == 1:
-        return PendingReduce(owner, index, slots, offsets, present, reduce_input.view(-1), None, post)
-    output = torch.empty(reduce_input.shape[1], dtype=reduce_dtype, device=info.device)
+    return UnissuedReduce(owner, index, slots, offsets, present, reduce_input, post, mesh_info)
+
+
+# [Note: coalesced reduce-scatters]
+# As with all-gathers ([Note: coalesced all-gathers] in _group), the reduce-scatters of small
+# units the backward finishes one after another may share one collective: each unit builds its
+# ``(shard_size, total)`` input when its backward is done (freeing its unsharded grads as
+# before) and the root issues them together once the next would pass ``coalesce_bytes``, a unit
+# that cannot join comes, or the backward ends. Concatenated along the columns, row r is still
+# what rank r gets, so each unit's reduced chunk is a slice of the one output and lands as if
+# reduced alone. The sums are the same element by element: only the buffer they travel in is
+# shared.
+def reduce_scatter_together(items: list[UnissuedReduce]) -> list[PendingReduce]:
+    """Issue one reduce-scatter over the shard group for ``items`` (same reduce dtype); one
+    ``PendingReduce`` per item, sharing the collective."""
+    first = items[0]
+    if len(items) == 1:
+        reduce_input, label = first.input, first.owner.trace_name
+    else:
+        reduce_input = torch.cat([item.input for item in items], dim=1)
+        label = f"{first.owner.trace_name}..{items[-1].owner.trace_name}"
+    output = torch.empty(reduce_input.shape[1], dtype=reduce_input.dtype, device=reduce_input.device)
     work = _collectives.reduce_scatter_into(
-        output, reduce_input.view(-1), info.shard_group, label=owner.trace_name, async_op=True
+        output, reduce_input.view(-1), first.mesh_info.shard_group, label=label, async_op=True
     )
-    return PendingReduce(owner, index, slots, offsets, present, output, work, post)
+    pendings = []
+    start = 0
+    for item in items:
+        width = item.input.shape[1]
+        pendings.append(item.pending(output[start : start + width], work))
+        start += width
+    return pendings
 
 
 def _reduce_scatter_input(
@@ -373,6 +439,12 @@ class UnitGrads:
                 # Sharded accumulation: keep the shard-group sum, all-reduce on the sync step.
                 self._partials[index] = reduced
                 return None
+            output = reduced.output
+            if output.untyped_storage().nbytes() != output.numel() * output.element_size():
+                # A slice of a coalesced reduce-scatter's output ([Note: coalesced
+                # reduce-scatters]): all-reduce a copy. Over gloo, all-reduces in flight at
+                # once on slices of one storage gave wrong sums now and then (2x2 meshes).
+                reduced = reduced._replace(output=output.clone())
             work = _collectives.all_reduce_(
                 reduced.output, info.replicate_group, label=self.trace_name, async_op=True
             )
