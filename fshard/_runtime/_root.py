@@ -292,7 +292,10 @@ class RootState:
         cap = target.coalesce_bytes
         used = target.coalescable_bytes() if cap else 0
         run = [target]
-        if 0 < used <= cap:
+        # Not before the first step's collectives were compared across ranks: ranks that ran
+        # different units would issue gathers of different sizes, which gloo does not survive
+        # to name the cause.
+        if 0 < used <= cap and not self._checking:
             backward = order is self._next_backward
             dtype = target.buckets[0].compute_dtype
             process_group = target.mesh_info.shard_group
@@ -393,6 +396,9 @@ class RootState:
     def queue_reduce(self, unissued: UnissuedReduce, max_bytes: int) -> None:
         """Hold ``unissued`` to be issued with the next reduce-scatters, up to ``max_bytes`` of
         input in all; issue what was held first where it would not fit beside it."""
+        if self._checking:  # (the first step: see unshard_ahead)
+            self.add_pending_reduce(reduce_scatter_together([unissued])[0])
+            return
         nbytes = unissued.input.numel() * unissued.input.element_size()
         held = self._unissued
         if held and (

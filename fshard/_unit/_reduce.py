@@ -152,7 +152,7 @@ class UnissuedReduce(NamedTuple):
     coalesced reduce-scatters])."""
 
     owner: ReduceOwner
-    index: int
+    bucket_index: int
     slots: list[ParamSlot]
     offsets: list[int]
     present: list[bool]
@@ -162,7 +162,7 @@ class UnissuedReduce(NamedTuple):
 
     def pending(self, output: torch.Tensor, work: dist.Work | None) -> PendingReduce:
         return PendingReduce(
-            self.owner, self.index, self.slots, self.offsets, self.present, output, work, self.post_divide
+            self.owner, self.bucket_index, self.slots, self.offsets, self.present, output, work, self.post_divide
         )
 
 

@@ -36,6 +36,7 @@ def _accumulation_worker(mesh_shape, reshard_after_forward):
     rank = dist.get_rank()
     model = build_model(SPEC)
     shard_model(SPEC, model, mesh_for(mesh_shape), reshard_after_forward=reshard_after_forward)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     ddp = nn.parallel.DistributedDataParallel(build_model(SPEC))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fshard
 from fshard.testing import get_pool, mesh_for, trace_collectives
 from fshard.testing.models import (
     TransformerSpec,
@@ -46,6 +47,7 @@ def _step_comm_worker(mesh_shape, reshard_after_forward, **shard_kwargs):
     model = build_model(spec)
     mesh = mesh_for(mesh_shape)
     shard_model(spec, model, mesh, reshard_after_forward=reshard_after_forward, **shard_kwargs)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for step in range(2):  # the second step runs with the recorded prefetch order

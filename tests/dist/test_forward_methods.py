@@ -80,6 +80,7 @@ def _reduce_like_ddp(reference: nn.Module) -> None:
 
 def _methods_worker(mesh_shape: tuple[int, ...]) -> list[int]:
     model, reference = _sharded_lm(mesh_shape)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     optims = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, reference)]
     base = fshard.memory_stats().gathered_bytes
     for step in range(3):

@@ -145,6 +145,7 @@ def _retry_worker(how: str, frozen: bool = False):
     for block in model[1:]:
         fshard.fully_shard(block, mesh=mesh_for((2,)))
     fshard.fully_shard(model, mesh=mesh_for((2,)))
+    fshard.set_coalescing(model, 0)  # per-unit gathers (this test compares their peaks): no coalescing
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     peaks, after = [], []
     for step in range(4):
@@ -217,6 +218,7 @@ def _freed_before_reduce_worker():
 
     model = build_model(SPEC)
     shard_model(SPEC, model, mesh_for((2,)))
+    fshard.set_coalescing(model, 0)  # per-unit reduce-scatters (this test labels them): no coalescing
     fshard.set_prefetch(model, forward=False, backward="NO_PREFETCH")
     rank = dist.get_rank()
     loss = compute_loss(SPEC, model, make_batch(SPEC, 0, rank))
@@ -268,6 +270,7 @@ def _two_forwards_worker(mesh_shape: tuple[int, ...]):
     for block in model[1:]:
         fshard.fully_shard(block, mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     block_bytes = 4 * sum(p.numel() for p in reference[1].parameters())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     peaks = []

@@ -73,6 +73,7 @@ def _events_worker(prefetch, reshard_after_forward=True):
     rank = dist.get_rank()
     model = build_model(SPEC)
     shard_model(SPEC, model, mesh_for((2,)), reshard_after_forward=reshard_after_forward)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (these tests order them): no coalescing
     _configure(model, prefetch)
     probe = GatherProbe(model)
     events: list[tuple] = []
@@ -256,6 +257,7 @@ def test_set_prefetch_rejects_bad_input():
 def _backward_peak_worker(policy):
     model = build_model(SPEC)
     shard_model(SPEC, model, mesh_for((2,)))
+    fshard.set_coalescing(model, 0)  # per-unit gathers (this test weighs one in flight): no coalescing
     fshard.set_prefetch(model, forward=False, backward=policy)
     at_compute = {}  # gathered bytes as each block's backward compute starts
 
@@ -388,6 +390,7 @@ def _one_gather_per_backward_worker(mode: str) -> list[list[tuple[str, str]]]:
     ddp, model, reference = _beside_ddp(
         functools.partial(_TwoUnits, mode), lambda m: (m.a, m.b), ddp_kwargs={"find_unused_parameters": True}
     )
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     optims = _sgd(ddp, model)
     traces = []
     for step in range(3):
@@ -460,6 +463,7 @@ def _passed_over_worker(mode: str) -> list[list[tuple[str, str]]]:
     from tests.dist.test_usage_cases import _assert_params_equal, _sgd
 
     ddp, model, reference = _beside_ddp_passed_over(mode)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     optims = _sgd(ddp, model)
     traces = []
     for step in range(3):
@@ -612,6 +616,7 @@ def _backward_after_an_abandoned_forward_worker() -> list[list[tuple[str, str]]]
     for block in model.blocks:
         fshard.fully_shard(block, mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     traces = []
     for abandon in (False, True, True):
         x = torch.randn(3, 6, requires_grad=True)

@@ -126,6 +126,7 @@ def test_a_unit_of_several_modules_trains_like_ddp(mesh_shape, reshard_after_for
 def _collectives_worker():
     model = _lm()
     _shard_titan(model, mesh_for((2,)))
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for step in range(2):
@@ -401,6 +402,7 @@ def _gathers_worker(listed, order):
         fshard.fully_shard(block, mesh=mesh)
     fshard.fully_shard([getattr(model, name) for name in listed], mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for step in range(3):

@@ -120,6 +120,7 @@ def _reshard_after_forward_worker(mesh_shape: tuple[int, ...]) -> list[list[str]
     for index in (0, 2, 4):
         fshard.fully_shard(model[index], mesh=mesh)
     fshard.fully_shard(model, mesh=mesh)
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     ddp = DDP(reference)
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
     backward_gathers = []

@@ -1169,6 +1169,7 @@ def _keep_after_backward_worker(reshard_after_forward: bool):
         lambda m: (m[0], m[2], m[4]),
         reshard_after_forward=reshard_after_forward,
     )
+    fshard.set_coalescing(model, 0)  # per-unit collectives (this test counts them): no coalescing
     optims = _sgd(ddp, model)
     with pytest.raises(TypeError, match=r"set_reshard_after_backward: reshard_after_backward must be a bool, got 0"):
         fshard.set_reshard_after_backward(model, 0)  # type: ignore[arg-type]
