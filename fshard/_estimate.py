@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fshard._options import CPUOffload, MixedPrecision
+from fshard._options import DEFAULT_COALESCE_BYTES, CPUOffload, MixedPrecision
 from fshard._placement import shard_layout
 from fshard._replay import Replay, UnitBytes, default_loss, fake_step, synthetic_step
 from fshard._wrap import ByClass, Policy, WrapPolicy, by_class, select_modules
@@ -343,6 +343,7 @@ def estimate(
     device: str = "cuda",
     name: str | None = None,
     suggest: bool = True,
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
 ) -> Estimate:
     """Predict the memory per rank of a training step of ``model_or_factory`` under fshard.
 
@@ -358,6 +359,8 @@ def estimate(
     fake tensors: create it with torch factory functions), ``loss_fn(model, batch)`` its loss
     (default: ``model(*batch)``, its ``.loss`` or the sum of its output). ``device`` says which
     optimizer implementation torch picks: ``"cuda"`` (foreach) or ``"cpu"`` (per tensor).
+    ``coalesce_bytes`` is ``fshard.set_coalescing``'s limit (units below it are gathered and
+    reduced together, held a little longer; ``0``: a collective per unit).
 
     Example:
         >>> import fshard, torch
@@ -377,6 +380,8 @@ def estimate(
         raise ValueError(f"{where}: optimizer must be one of {', '.join(_OPTIMIZERS)}, got {optimizer!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"{where}: device must be 'cuda' or 'cpu', got {device!r}")
+    if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
+        raise ValueError(f"{where}: coalesce_bytes must be an int >= 0, got {coalesce_bytes!r}")
     offloaded = offload is not False and offload is not None
     model = _as_model(model_or_factory, where)
     if policy is None:
@@ -395,6 +400,7 @@ def estimate(
         reshard=reshard_after_forward,
         virtual_grads=batch_fn is None,
         holds_reduce_input=device == "cuda",
+        coalesce_bytes=coalesce_bytes,
     )
     if batch_fn is None:
         synthetic_step(replay)

@@ -8,7 +8,11 @@ from enum import Enum
 
 import torch
 
-__all__ = ["MixedPrecision", "CPUOffload", "BackwardPrefetch"]
+__all__ = ["MixedPrecision", "CPUOffload", "BackwardPrefetch", "DEFAULT_COALESCE_BYTES"]
+
+# Adjacent small units share collectives up to this many bytes by default (fshard.set_coalescing;
+# see [Note: coalesced all-gathers] in fshard._unit._group).
+DEFAULT_COALESCE_BYTES = 1 << 20
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fshard._memtrack import LiveBytes
-from fshard._options import MixedPrecision
+from fshard._options import DEFAULT_COALESCE_BYTES, MixedPrecision
 
 __all__ = ["UnitBytes", "Replay", "synthetic_step", "fake_step", "default_loss"]
 
@@ -57,8 +57,17 @@ class Replay:
         reshard: bool,
         virtual_grads: bool,
         holds_reduce_input: bool,
+        coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
     ) -> None:
         self.units = units
+        # Adjacent small units share an all-gather and a reduce-scatter (see [Note: coalesced
+        # all-gathers] in fshard._unit._group): the runs gathered together, by member name, with
+        # the bytes of their shared buffers and the members not yet copied out; the reduce-scatter
+        # inputs held for the next coalesced reduce-scatter.
+        self.coalesce_bytes = coalesce_bytes
+        self.run_of: dict[str, int] = {}
+        self.runs: dict[int, tuple[int, set[str]]] = {}
+        self.held: list[UnitBytes] = []
         # [Note: how long a reduce-scatter input lives] NCCL keeps the input of an async
         # collective until it is waited for (fshard waits when the next unit's reduce-scatter
         # is issued); gloo on CPU runs it at once and lets it go as the call returns (measured:
@@ -97,6 +106,40 @@ class Replay:
         self.in_flight[unit.name] = unit.ag_out + unit.ag_in
         self.ledger += unit.ag_out + unit.ag_in
 
+    def _coalescable(self, unit: UnitBytes) -> bool:
+        return (
+            unit.ag_out > 0
+            and len(unit.shard_bytes) == 1
+            and unit.name not in self.gathered
+            and unit.name not in self.in_flight
+            and unit.name not in self.done
+        )
+
+    def _issue_ahead(self, unit: UnitBytes, order: list[UnitBytes]) -> None:
+        """A prefetch: ``unit``'s all-gather, with the units ``order`` runs after it while they
+        fit in ``coalesce_bytes`` (one output; one input, their shards concatenated)."""
+        run = [unit]
+        if self._coalescable(unit) and unit.ag_out <= self.coalesce_bytes:
+            used = unit.ag_out
+            following = self._next(order, unit)
+            while following is not None and self._coalescable(following):
+                if following in run or used + following.ag_out > self.coalesce_bytes:
+                    break
+                run.append(following)
+                used += following.ag_out
+                following = self._next(order, following)
+        if len(run) == 1:
+            self._issue_gather(unit)
+            return
+        # Each member's output block, and its flat shard (or its cast copy) in the input.
+        nbytes = sum(u.ag_out + (u.ag_in or sum(u.shard_bytes.values())) for u in run)
+        key = len(self.runs)
+        self.runs[key] = (nbytes, {u.name for u in run})
+        for u in run:
+            self.run_of[u.name] = key
+            self.in_flight[u.name] = 0
+        self.ledger += nbytes
+
     def _wait_gather(self, unit: UnitBytes, activations: int) -> None:
         if unit.name in self.gathered:
             return
@@ -104,6 +147,12 @@ class Replay:
         self.ledger += unit.unsharded
         self.point(activations)  # the output is copied out into the unsharded buffer
         self.ledger -= self.in_flight.pop(unit.name)
+        key = self.run_of.pop(unit.name, None)
+        if key is not None:  # the shared buffers go with the run's last member
+            nbytes, left = self.runs[key]
+            left.discard(unit.name)
+            if not left:
+                self.ledger -= nbytes
         self.gathered.add(unit.name)
 
     def _free(self, unit: UnitBytes) -> None:
@@ -119,7 +168,7 @@ class Replay:
         self._wait_gather(unit, activations)
         following = self._next(self.forward_order_hint, unit)
         if following is not None:
-            self._issue_gather(following)
+            self._issue_ahead(following, self.forward_order_hint)
         self.point(activations)
 
     def post_forward(self, unit: UnitBytes, span: int, activations: int) -> None:
@@ -141,7 +190,7 @@ class Replay:
         backward = list(reversed(self.finish_order_hint))
         following = self._next(backward, unit)
         if following is not None:
-            self._issue_gather(following)
+            self._issue_ahead(following, backward)
         self.point(activations)
 
     def post_backward(self, unit: UnitBytes, span: int, activations: int, drop_grads: Callable[[], int]) -> None:
@@ -153,6 +202,22 @@ class Replay:
             return
         self.done.add(unit.name)
         self._free(unit)
+        if unit.reduce_out and len(unit.shard_bytes) == 1 and self.coalesce_bytes:
+            # Held for a coalesced reduce-scatter ([Note: coalesced reduce-scatters]).
+            self.ledger += unit.reduce_in
+            self.point(activations)
+            if self.virtual_grads:
+                self.ledger -= unit.grads
+            activations = drop_grads()
+            held = sum(u.reduce_in for u in self.held)
+            if self.held and held + unit.reduce_in > self.coalesce_bytes:
+                self._issue_held(activations)
+            self.held.append(unit)
+            if held + unit.reduce_in >= self.coalesce_bytes:
+                self._issue_held(activations)
+            self.point(activations)
+            return
+        self._issue_held(activations)
         # The reduce-scatter's input and output are made before the unsharded grads go.
         self.ledger += unit.reduce_in + unit.reduce_out
         self.point(activations)
@@ -164,6 +229,24 @@ class Replay:
         self._finish_pending()
         self.pending.append(unit)
         self.point(activations)
+
+    def _issue_held(self, activations: int) -> None:
+        """Issue the held reduce-scatter inputs as one: their concatenation (when several) and
+        one output; each member's own input goes once it is copied in."""
+        held, self.held = self.held, []
+        if not held:
+            return
+        inputs = sum(u.reduce_in for u in held)
+        if len(held) > 1:
+            self.ledger += inputs  # the concatenated input
+        self.ledger += sum(u.reduce_out for u in held)
+        self.point(activations)
+        if len(held) > 1:
+            self.ledger -= inputs  # the members' own inputs
+        if not self.holds_reduce_input:
+            self.ledger -= inputs
+        self._finish_pending()
+        self.pending.extend(held)
 
     def _finish_pending(self) -> None:
         for unit in self.pending:
@@ -186,6 +269,7 @@ class Replay:
                 drop = drop_for(unit)
                 self.post_backward(unit, span, activations, drop)
                 span = activations = drop()
+        self._issue_held(activations)
         self._finish_pending()
         self.point(span)
 

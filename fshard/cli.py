@@ -311,6 +311,7 @@ def _add_estimate_parser(commands: Any) -> None:
     estimate.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum", "none"), default="adamw", help="optimizer state to count (default: adamw)")
     estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the step runs: which optimizer implementation torch picks (default: cuda)")
     estimate.add_argument("--batch-fn", "--batch_fn", metavar="pkg.module:fn", help="fn() -> one rank's micro-batch (args tuple, kwargs dict or a tensor), for the activation peak")
+    estimate.add_argument("--coalesce", type=int, metavar="BYTES", help="fshard.set_coalescing's limit: small units share collectives up to BYTES (default 1 MiB; 0: one per unit)")
     estimate.add_argument("--json", metavar="FILE", help="also write the estimate as JSON")
     for flag, default in (("layers", 4), ("dim", 128), ("heads", 4), ("seq", 64), ("vocab", 128), ("batch", 8)):
         estimate.add_argument(f"--{flag}", type=int, metavar="N", help=f"gpt: {flag} (default: {default})")
@@ -344,6 +345,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             reshard_after_forward=extra.get("reshard_after_forward", True),
             device=args.device,
             name=source.name,
+            **({} if args.coalesce is None else {"coalesce_bytes": args.coalesce}),
         )
     except (ValueError, TypeError) as exc:
         error(f"estimate: error: {exc}")

@@ -50,6 +50,7 @@ class BenchSpec:
     min_params: int | None = None
     config_file: str | None = None
     reshard_after_forward: bool = True
+    coalesce: int | None = None  # fshard.set_coalescing's max_bytes (None: fshard's default)
     nproc: int = 2
     mesh: tuple[int, ...] = (2,)
     device: str = "cpu"
@@ -144,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-reshard", action="store_true",
         help="keep units gathered from forward to backward (ZeRO-2, SHARD_GRAD_OP)",
     )
+    wrap.add_argument(
+        "--coalesce", type=_non_negative, metavar="BYTES",
+        help="fshard only: adjacent small units share collectives up to BYTES "
+        "(fshard.set_coalescing; default 1 MiB, 0: a collective per unit, as FSDP2)",
+    )
     run = parser.add_argument_group("run")
     run.add_argument(
         "--impl", default=",".join(IMPLS), metavar="LIST",
@@ -193,7 +199,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         impls=impls, model=args.model, batch_fn=args.batch_fn, layers=args.layers, dim=args.dim,
         heads=args.heads, seq=args.seq, vocab=args.vocab, batch=args.batch,
         by_class=tuple(args.by_class), min_params=args.min_params, config_file=args.config_file,
-        reshard_after_forward=not args.no_reshard, nproc=nproc, mesh=tuple(mesh),
+        reshard_after_forward=not args.no_reshard, coalesce=args.coalesce, nproc=nproc, mesh=tuple(mesh),
         device=args.device, mp=args.mp, steps=args.steps, warmup=args.warmup, lr=args.lr,
         seed=args.seed,
     )  # fmt: skip

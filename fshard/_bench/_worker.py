@@ -68,6 +68,8 @@ def build(name: str, spec: BenchSpec, make_model: Callable[[], nn.Module], plan:
             fshard.fully_shard(model.get_submodule(fqn), mesh=mesh,
                                reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)  # fmt: skip
         fshard.fully_shard(model, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp)
+        if spec.coalesce is not None:
+            fshard.set_coalescing(model, spec.coalesce)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard

@@ -21,7 +21,7 @@ from fshard import _collectives
 from fshard._bucket import GATHERED, FlatBucket
 from fshard._errors import first_few, internal_error, warn_user
 from fshard._mesh import PostForwardGroup, post_forward_group
-from fshard._options import BackwardPrefetch
+from fshard._options import DEFAULT_COALESCE_BYTES, BackwardPrefetch
 from fshard._param import ParamSlot, local_rows
 from fshard._profiling import phase
 from fshard._unit._backward import UnitBackward
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from fshard._options import CPUOffload, MixedPrecision
 
 __all__ = [
-    "DEFAULT_COALESCE_BYTES",
     "KEPT_GATHERED",
     "ParamGroup",
     "ShardedState",
@@ -829,8 +828,7 @@ class ParamGroup(UnitBackward, UnitGrads):
 # and copies its block out as if it had gathered alone, at its own time: what the user wrapped
 # and when each unit is freed do not change, only how many collectives carry them. The price
 # is memory: the units of one gather are held from its issue, at most ``coalesce_bytes`` in
-# all-gather outputs (1 MiB by default).
-DEFAULT_COALESCE_BYTES = 1 << 20
+# all-gather outputs (``DEFAULT_COALESCE_BYTES``, 1 MiB).
 
 
 def unshard_together(groups: list[ParamGroup]) -> None:

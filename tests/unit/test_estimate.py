@@ -56,6 +56,7 @@ class HugeRoot(nn.Module):
 def _small(**kwargs):
     kwargs.setdefault("nproc", 2)
     kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("coalesce_bytes", 0)  # the hand counts are of a collective per unit
     return fshard.estimate(small_model, policy=fshard.by_class(nn.Linear), **kwargs)
 
 
@@ -94,7 +95,9 @@ def chain() -> nn.Module:
 def test_prefetch_and_reduce_scatter_buffers_in_the_backward(device, held):
     # Three units of a 4x4 weight over 2 ranks: a flat shard of 8, unsharded 2 x 8 x 4 = 64
     # bytes, unsharded grads 64, reduce-scatter input 2 x (8 + 1 flag) x 4 = 72, output 36.
-    e = fshard.estimate(chain, nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device=device)
+    e = fshard.estimate(
+        chain, nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device=device, coalesce_bytes=0
+    )
     assert [u.unsharded_bytes for u in e.units] == [0, 64, 64, 64]
     # The peak is the middle unit's reduce-scatter: shards 3 x 32, the first unit's all-gather
     # output (prefetched), the middle unit's grads and reduce-scatter input and output, the last
@@ -103,8 +106,25 @@ def test_prefetch_and_reduce_scatter_buffers_in_the_backward(device, held):
     assert e.prefetch_bytes == 64
 
 
-def test_zero2_keeps_every_unit_gathered_from_forward_to_backward():
+def test_coalesced_units_hold_their_shared_buffers():
+    """With the default fshard.set_coalescing limit the three units share one all-gather in the
+    backward (outputs 3 x 64 and the concatenated flat shards 3 x 32, held until the last copies
+    out) and one reduce-scatter at the end of the backward: the peak is there, with shards 96,
+    the three units' reduce-scatter inputs 3 x 72 held, their concatenation 216 and the output
+    3 x 36 (where a collective per unit peaks at 368)."""
     kwargs = dict(nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device="cpu")
+    alone = fshard.estimate(chain, coalesce_bytes=0, **kwargs)
+    together = fshard.estimate(chain, **kwargs)
+    assert (alone.peak_bytes, together.peak_bytes) == (368, 96 + 3 * 72 + 216 + 3 * 36)
+    # A limit below two units' reduce-scatter inputs: the reduce-scatters go one by one again.
+    two = fshard.estimate(chain, coalesce_bytes=100, **kwargs)
+    assert two.peak_bytes < together.peak_bytes
+    with pytest.raises(ValueError, match="coalesce_bytes must be an int >= 0"):
+        fshard.estimate(chain, coalesce_bytes=-1, **kwargs)
+
+
+def test_zero2_keeps_every_unit_gathered_from_forward_to_backward():
+    kwargs = dict(nproc=2, policy=fshard.by_class(nn.Linear), optimizer="none", device="cpu", coalesce_bytes=0)
     zero3 = fshard.estimate(chain, **kwargs)
     zero2 = fshard.estimate(chain, reshard_after_forward=False, **kwargs)
     # The first unit reduced (the last to run forward) has the other two still gathered: shards
