@@ -150,7 +150,8 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool) 
 def set_coalescing(module: nn.Module, max_bytes: int) -> None:
     """Let adjacent small units in ``module`` share their collectives: units the forward (or
     the backward) runs one after another are all-gathered in one collective, and their gradients
-    reduce-scattered in one, while the shared buffer stays within ``max_bytes``
+    reduce-scattered in one (on a 2D mesh also all-reduced across replicas in one), while the
+    shared buffer stays within ``max_bytes``
     (1 MiB by default; ``0`` gives every unit its own collectives, as FSDP2 does).
 
     Each collective costs a fixed latency besides its bytes (about 0.1-0.2 ms over gloo, tens of

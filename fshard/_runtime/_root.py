@@ -19,6 +19,7 @@ from fshard._runtime._checks import check_params_in_place
 from fshard._runtime._optim_hooks import _UNSYNCED
 from fshard._unit._group import ParamGroup, ShardedState, TrainingState, unshard_together
 from fshard._unit._reduce import (
+    CoalescedReduce,
     PendingAllReduce,
     PendingReduce,
     UnissuedReduce,
@@ -66,7 +67,7 @@ class RootState:
         # unrun when that backward raises (see recover_if_backward_aborted).
         self._callback_token: weakref.ref[_FinalCallback] | None = None
         self._parked: list[ParamGroup] = []  # see ParamGroup.release_parked
-        self._pending_reduces: list[PendingReduce | PendingAllReduce] = []
+        self._pending_reduces: list[PendingReduce | CoalescedReduce | PendingAllReduce] = []
         # Reduce-scatter inputs built and not yet issued, and their bytes: [Note: coalesced
         # reduce-scatters] in _reduce.
         self._unissued: list[UnissuedReduce] = []
@@ -397,7 +398,8 @@ class RootState:
         """Hold ``unissued`` to be issued with the next reduce-scatters, up to ``max_bytes`` of
         input in all; issue what was held first where it would not fit beside it."""
         if self._checking:  # (the first step: see unshard_ahead)
-            self.add_pending_reduce(reduce_scatter_together([unissued])[0])
+            self.issue_queued_reduces()
+            self._add_pending_reduces([reduce_scatter_together([unissued])])
             return
         nbytes = unissued.input.numel() * unissued.input.element_size()
         held = self._unissued
@@ -405,6 +407,7 @@ class RootState:
             self._unissued_bytes + nbytes > max_bytes
             or held[0].input.dtype != unissued.input.dtype
             or held[0].mesh_info.shard_group is not unissued.mesh_info.shard_group
+            or held[0].owner.replicate_group is not unissued.owner.replicate_group
         ):
             self.issue_queued_reduces()
         self._unissued.append(unissued)
@@ -416,14 +419,13 @@ class RootState:
         """Issue the held reduce-scatter inputs as one collective."""
         held, self._unissued, self._unissued_bytes = self._unissued, [], 0
         if held:
-            pendings = reduce_scatter_together(held)
-            self._add_pending_reduces(pendings)
+            self._add_pending_reduces([reduce_scatter_together(held)])
 
     def add_pending_reduce(self, pending: PendingReduce) -> None:
         self.issue_queued_reduces()
         self._add_pending_reduces([pending])
 
-    def _add_pending_reduces(self, pendings: list[PendingReduce]) -> None:
+    def _add_pending_reduces(self, pendings: list[PendingReduce | CoalescedReduce]) -> None:
         """Issue-order pipeline: at most one reduce-scatter and one all-reduce in flight.
 
         Landing the previous reduce-scatter issues its cross-replica all-reduce (2D meshes),

@@ -10,7 +10,7 @@ and one all-reduce in flight). Finishing lands this rank's ``Reduced`` chunk: as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fshard._options import MixedPrecision
 
 __all__ = [
+    "CoalescedReduce",
     "PendingAllReduce",
     "PendingReduce",
     "ReduceOwner",
@@ -50,6 +51,11 @@ class ReduceOwner(Protocol):
     def trace_name(self) -> str: ...
 
     def land_reduced(self, index: int, reduced: Reduced) -> PendingAllReduce | None: ...
+
+    def prepare_landing(self, index: int, reduced: Reduced) -> tuple[Reduced | None, bool]: ...
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None: ...
 
 
 class PendingReduce:
@@ -83,27 +89,72 @@ class PendingReduce:
         _collectives.wait(self.work, op="reduce_scatter", label=self.group.trace_name)
         self.work = None
 
+    def reduced(self) -> Reduced:
+        """The landed chunk (after the wait), divided by the post-divide factor."""
+        output = self.output
+        if self.post_divide != 1.0:
+            output[: self.offsets[-1]].div_(self.post_divide)  # (not the flags)
+        return Reduced(self.slots, self.offsets, self.present, output)
+
     def finish(self) -> PendingAllReduce | None:
         """Wait for the reduce-scatter; return the cross-replica all-reduce it issued, if any."""
         with phase(f"fshard::finish_reduce({self.group.trace_name})"):
             _collectives.wait(self.work, op="reduce_scatter", label=self.group.trace_name)
             self.work = None
-            output = self.output
-            if self.post_divide != 1.0:
-                output[: self.offsets[-1]].div_(self.post_divide)  # (not the flags)
-            follow_up = self.group.land_reduced(
-                self.bucket_index, Reduced(self.slots, self.offsets, self.present, output)
-            )
+            follow_up = self.group.land_reduced(self.bucket_index, self.reduced())
             if follow_up is not None:
                 follow_up.carries_sums = follow_up.carries_sums or self.carries_sums
             return follow_up
 
 
+class CoalescedReduce:
+    """Several units' reduce-scatter in one collective ([Note: coalesced reduce-scatters]):
+    waited for once, landed unit by unit, and on a 2D mesh all-reduced across replicas in one
+    collective too."""
+
+    def __init__(self, members: list[PendingReduce], output: torch.Tensor, work: dist.Work | None, label: str) -> None:
+        self.members = members  # each with its slice of ``output``, the slices in order
+        self.output = output
+        self.work = work
+        self.label = label
+        self.carries_sums = False  # (units carrying no_sync sums reduce alone)
+
+    def discard(self) -> None:
+        _collectives.wait(self.work, op="reduce_scatter", label=self.label)
+        self.work = None
+
+    def finish(self) -> PendingAllReduce | None:
+        with phase(f"fshard::finish_reduce({self.label})"):
+            _collectives.wait(self.work, op="reduce_scatter", label=self.label)
+            self.work = None
+            to_all_reduce: list[Reduced] = []
+            carries_sums = False
+            for member in self.members:
+                member.work = None
+                reduced, had_partial = member.group.prepare_landing(member.bucket_index, member.reduced())
+                if reduced is not None:
+                    to_all_reduce.append(reduced)
+                    carries_sums = carries_sums or had_partial
+            if not to_all_reduce:
+                return None
+            group = self.members[0].group.replicate_group
+            if len(to_all_reduce) == len(self.members) and all(
+                m.group.replicate_group is group for m in self.members
+            ):
+                # Every unit's chunk, in place in the one output: one all-reduce for them all.
+                work = _collectives.all_reduce_(self.output, group, label=self.label, async_op=True)
+                return PendingAllReduce(to_all_reduce, work, self.label, carries_sums=carries_sums)
+            for reduced, member in zip(to_all_reduce, self.members, strict=False):  # (not seen)
+                _collectives.all_reduce_(reduced.output, member.group.replicate_group, label=self.label)
+                reduced.assign()
+            return None
+
+
 class PendingAllReduce:
     """A bucket's cross-replica all-reduce (2D meshes) in flight; ``finish`` sets the grads."""
 
-    def __init__(self, reduced: Reduced, work: dist.Work | None, label: str, carries_sums: bool) -> None:
-        self.reduced = reduced
+    def __init__(self, reduced: list[Reduced], work: dist.Work | None, label: str, carries_sums: bool) -> None:
+        self.reduced = reduced  # (several: a coalesced reduce's units, in one all-reduce)
         self.work = work
         self.label = label
         self.carries_sums = carries_sums  # see PendingReduce
@@ -115,7 +166,8 @@ class PendingAllReduce:
     def finish(self) -> None:
         _collectives.wait(self.work, op="all_reduce", label=self.label)
         self.work = None
-        self.reduced.assign()
+        for reduced in self.reduced:
+            reduced.assign()
 
 
 def summed_grad(slot: ParamSlot) -> torch.Tensor | None:
@@ -144,7 +196,7 @@ def reduce_scatter_grads(
     )
     if mesh_info.shard_size == 1:
         return unissued.pending(unissued.input.view(-1), None)
-    return reduce_scatter_together([unissued])[0]
+    return cast(PendingReduce, reduce_scatter_together([unissued]))  # (one item: not coalesced)
 
 
 class UnissuedReduce(NamedTuple):
@@ -193,10 +245,13 @@ def reduce_scatter_input(
 # that cannot join comes, or the backward ends. Concatenated along the columns, row r is still
 # what rank r gets, so each unit's reduced chunk is a slice of the one output and lands as if
 # reduced alone. The sums are the same element by element: only the buffer they travel in is
-# shared.
-def reduce_scatter_together(items: list[UnissuedReduce]) -> list[PendingReduce]:
-    """Issue one reduce-scatter over the shard group for ``items`` (same reduce dtype); one
-    ``PendingReduce`` per item, sharing the collective."""
+# shared. On a 2D mesh the whole output then goes through one cross-replica all-reduce
+# (``CoalescedReduce``), not one per unit: several gloo all-reduces in flight at once on slices
+# of one storage gave wrong sums now and then in fshard's 2x2 runs (not reproduced in a
+# torch-only script), and one collective is cheaper anyway.
+def reduce_scatter_together(items: list[UnissuedReduce]) -> PendingReduce | CoalescedReduce:
+    """Issue one reduce-scatter over the shard group for ``items`` (same reduce dtype, shard
+    group and replicate group)."""
     first = items[0]
     if len(items) == 1:
         reduce_input, label = first.input, first.owner.trace_name
@@ -207,13 +262,15 @@ def reduce_scatter_together(items: list[UnissuedReduce]) -> list[PendingReduce]:
     work = _collectives.reduce_scatter_into(
         output, reduce_input.view(-1), first.mesh_info.shard_group, label=label, async_op=True
     )
-    pendings = []
+    if len(items) == 1:
+        return first.pending(output, work)
+    members = []
     start = 0
     for item in items:
         width = item.input.shape[1]
-        pendings.append(item.pending(output[start : start + width], work))
+        members.append(item.pending(output[start : start + width], work))
         start += width
-    return pendings
+    return CoalescedReduce(members, output, work, label)
 
 
 def _reduce_scatter_input(
@@ -427,30 +484,38 @@ class UnitGrads:
         for slot in self.slots:
             slot.drop_unsharded_grad()
 
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are all-reduced over after the reduce-scatter (2D meshes)."""
+        info = self.mesh_info
+        return info.replicate_group if info.replicate_size > 1 else None
+
+    def prepare_landing(self, index: int, reduced: Reduced) -> tuple[Reduced | None, bool]:
+        """After a bucket's reduce-scatter: set the sharded grads (1D; returns ``None``), keep
+        the sum for a later synchronised step (2D without sync; ``None``), or return what the
+        cross-replica all-reduce must sum (2D), with whether it carries an earlier partial sum."""
+        if self.replicate_group is None:
+            reduced.assign()
+            return None, False
+        partial = self._partials.pop(index, None)
+        if partial is not None:
+            reduced = reduced.merged_with(partial)
+        if not self.requires_gradient_sync:
+            # Sharded accumulation: keep the shard-group sum, all-reduce on the sync step.
+            self._partials[index] = reduced
+            return None, False
+        return reduced, partial is not None
+
     def land_reduced(self, index: int, reduced: Reduced) -> PendingAllReduce | None:
         """After a bucket's reduce-scatter: set the sharded grads, or (2D mesh) issue the
         cross-replica all-reduce that will, returned as a ``PendingAllReduce``."""
-        info = self.mesh_info
-        if info.replicate_group is not None and info.replicate_size > 1:
-            partial = self._partials.pop(index, None)
-            if partial is not None:
-                reduced = reduced.merged_with(partial)
-            if not self.requires_gradient_sync:
-                # Sharded accumulation: keep the shard-group sum, all-reduce on the sync step.
-                self._partials[index] = reduced
-                return None
-            output = reduced.output
-            if output.untyped_storage().nbytes() != output.numel() * output.element_size():
-                # A slice of a coalesced reduce-scatter's output ([Note: coalesced
-                # reduce-scatters]): all-reduce a copy. Over gloo, all-reduces in flight at
-                # once on slices of one storage gave wrong sums now and then (2x2 meshes).
-                reduced = reduced._replace(output=output.clone())
-            work = _collectives.all_reduce_(
-                reduced.output, info.replicate_group, label=self.trace_name, async_op=True
-            )
-            return PendingAllReduce(reduced, work, self.trace_name, carries_sums=partial is not None)
-        reduced.assign()
-        return None
+        to_all_reduce, carries_sums = self.prepare_landing(index, reduced)
+        if to_all_reduce is None:
+            return None
+        work = _collectives.all_reduce_(
+            to_all_reduce.output, self.replicate_group, label=self.trace_name, async_op=True
+        )
+        return PendingAllReduce([to_all_reduce], work, self.trace_name, carries_sums=carries_sums)
 
     def flush_partials(self) -> None:
         """On a synchronised backward, all-reduce partial sums this step did not touch."""

@@ -80,8 +80,9 @@ def _ops(records, op):
 def test_small_units_share_one_all_gather_and_one_reduce_scatter_and_train_the_same(mesh_shape):
     """With the default 1 MiB the eight blocks are gathered in one all-gather in forward and
     one in backward (the root, first and alone, keeps its parameters to the end of the
-    backward), and every unit's gradients go in one reduce-scatter: 3 all-gathers and 1
-    reduce-scatter a step where units alone take 17 and 9, for the same bytes. Training is the
+    backward), and every unit's gradients go in one reduce-scatter (and on 2x2 one all-reduce
+    across replicas): 3 all-gathers and 1 reduce-scatter a step where units alone take 17 and 9,
+    for the same bytes. Training is the
     same: to the bit where two ranks sum (a + b is a + b in any layout), to rounding on four."""
     world = 1
     for size in mesh_shape:
@@ -95,7 +96,10 @@ def test_small_units_share_one_all_gather_and_one_reduce_scatter_and_train_the_s
         assert [r.label for r in c_gathers] == ["<root>", "blocks.0..blocks.7", "blocks.7..blocks.0"]
         # (The root's gradients are ready before blocks.0's: its reduce goes between them.)
         assert [r.label for r in c_reduces] == ["blocks.7..blocks.0"]
-        for op in ("all_gather", "reduce_scatter"):
+        if len(mesh_shape) == 2:  # and one cross-replica all-reduce of the shared output
+            assert len(_ops(records, "all_reduce")) == 1 + BLOCKS
+            assert [r.label for r in _ops(c_records, "all_reduce")] == ["blocks.7..blocks.0"]
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
             assert sum(r.input_bytes for r in _ops(records, op)) == sum(
                 r.input_bytes for r in _ops(c_records, op)
             ), op
