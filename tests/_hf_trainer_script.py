@@ -126,6 +126,12 @@ def main() -> None:
         print("DONE", flush=True)
     # An exit with the process group still up can abort in gloo's threads (std::terminate).
     dist.destroy_process_group()
+    # And freeing DDP's reducer when main returns can deadlock: it drops the last reference to
+    # the gloo process group, whose destructor joins gloo's worker threads while holding the
+    # GIL, and a worker may be freeing a finished all-gather's tensor, which needs the GIL
+    # (seen once in CI, `--mode ddp`: py-spy showed ~ProcessGroupGloo in std::thread::join and
+    # the worker in gil_scoped_acquire). Everything the test reads is printed: leave now.
+    os._exit(0)
 
 
 if __name__ == "__main__":
