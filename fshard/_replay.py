@@ -123,7 +123,7 @@ class Replay:
             used = unit.ag_out
             following = self._next(order, unit)
             while following is not None and self._coalescable(following):
-                if following in run or used + following.ag_out > self.coalesce_bytes:
+                if any(following is u for u in run) or used + following.ag_out > self.coalesce_bytes:
                     break
                 run.append(following)
                 used += following.ag_out

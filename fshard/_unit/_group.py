@@ -27,7 +27,7 @@ from fshard._profiling import phase
 from fshard._unit._backward import UnitBackward
 from fshard._unit._context import RootContext
 from fshard._unit._grad_hooks import ensure_grad_hooks, forward_tensor_hooks
-from fshard._unit._reduce import UnitGrads, reduce_scatter_grads, reduce_scatter_input, summed_grad
+from fshard._unit._reduce import UnitGrads, reduce_scatter_alone, reduce_scatter_input, summed_grad
 
 if TYPE_CHECKING:
     from fshard._mesh import MeshInfo
@@ -452,8 +452,7 @@ class ParamGroup(UnitBackward, UnitGrads):
         bucket = self.buckets[0]
         if bucket.aliased or not bucket.is_packed():
             return 0
-        itemsize = torch.empty(0, dtype=bucket.compute_dtype).element_size()
-        return self.mesh_info.shard_size * bucket.total * itemsize
+        return self.mesh_info.shard_size * bucket.total * bucket.compute_dtype.itemsize
 
     def adopt_gather(self, work: dist.Work | None, output: torch.Tensor) -> None:
         """SHARDED -> UNSHARDING with ``output`` (a ``(shard_size, total)`` view of an
@@ -774,6 +773,16 @@ class ParamGroup(UnitBackward, UnitGrads):
             # Reduced even with no gradient here: another rank may have some (and every rank
             # must issue the same collectives).
             grads = [summed_grad(s) for s in slots]
+            unissued = reduce_scatter_input(
+                self,
+                index,
+                slots,
+                grads,
+                mesh_info=self.mesh_info,
+                reduce_dtype=self.reduce_dtype(bucket),
+                divide_factor=self.gradient_divide_factor,
+            )
+            pending = None
             if (
                 root is not None
                 and self.coalesce_bytes
@@ -784,31 +793,14 @@ class ParamGroup(UnitBackward, UnitGrads):
             ):
                 # Issued by the root, maybe with the next units' ([Note: coalesced
                 # reduce-scatters] in _reduce).
-                unissued = reduce_scatter_input(
-                    self,
-                    index,
-                    slots,
-                    grads,
-                    mesh_info=self.mesh_info,
-                    reduce_dtype=self.reduce_dtype(bucket),
-                    divide_factor=self.gradient_divide_factor,
-                )
-                for slot in slots:
-                    slot.drop_unsharded_grad()
                 root.queue_reduce(unissued, self.coalesce_bytes)
-                continue
-            pending = reduce_scatter_grads(
-                self,
-                index,
-                slots,
-                grads,
-                mesh_info=self.mesh_info,
-                reduce_dtype=self.reduce_dtype(bucket),
-                divide_factor=self.gradient_divide_factor,
-            )
-            pending.carries_sums = carries_sums
+            else:
+                pending = reduce_scatter_alone(unissued)
+                pending.carries_sums = carries_sums
             for slot in slots:
                 slot.drop_unsharded_grad()
+            if pending is None:
+                continue
             if root is not None:
                 root.add_pending_reduce(pending)
             else:

@@ -1,9 +1,10 @@
 """A unit's gradient reduction: the reduce-scatter (and on 2D meshes the all-reduce) pipeline.
 
 After a unit's backward (``ParamGroup.reduce_grads``) each bucket's unsharded grads are packed
-into one reduce-scatter input (``reduce_scatter_grads``); the ``PendingReduce`` it returns is
-queued on the root, which finishes it when the next one is issued (at most one reduce-scatter
-and one all-reduce in flight). Finishing lands this rank's ``Reduced`` chunk: as sharded grads
+into one reduce-scatter input (``reduce_scatter_input``), issued alone
+(``reduce_scatter_alone``) or with the next units' (``reduce_scatter_together``); what that
+returns is queued on the root, which finishes it when the next one is issued (at most one
+reduce-scatter and one all-reduce in flight). Finishing lands this rank's ``Reduced`` chunk: as sharded grads
 ([Note: fshard tensors] in ``_param``), or, on a 2D mesh, through a cross-replica all-reduce
 (``PendingAllReduce``) first.
 """
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from fshard import _collectives
 from fshard._bucket import FlatBucket, chunk_cat
+from fshard._errors import internal_error
 from fshard._param import ParamSlot
 from fshard._placement import divide_factors
 from fshard._profiling import phase
@@ -34,7 +36,7 @@ __all__ = [
     "Reduced",
     "UnissuedReduce",
     "UnitGrads",
-    "reduce_scatter_grads",
+    "reduce_scatter_alone",
     "reduce_scatter_input",
     "reduce_scatter_together",
     "summed_grad",
@@ -136,18 +138,15 @@ class CoalescedReduce:
                     to_all_reduce.append(reduced)
                     carries_sums = carries_sums or had_partial
             if not to_all_reduce:
-                return None
+                return None  # (1D: every unit's grads are set)
+            # The units share one replicate group (RootState.queue_reduce) and all synchronise
+            # (only then do they coalesce), so each needs the all-reduce: one, in place, over
+            # the whole output.
+            if len(to_all_reduce) != len(self.members):
+                raise internal_error(f"some units of the coalesced reduce {self.label!r} were not synchronised")
             group = self.members[0].group.replicate_group
-            if len(to_all_reduce) == len(self.members) and all(
-                m.group.replicate_group is group for m in self.members
-            ):
-                # Every unit's chunk, in place in the one output: one all-reduce for them all.
-                work = _collectives.all_reduce_(self.output, group, label=self.label, async_op=True)
-                return PendingAllReduce(to_all_reduce, work, self.label, carries_sums=carries_sums)
-            for reduced, member in zip(to_all_reduce, self.members, strict=False):  # (not seen)
-                _collectives.all_reduce_(reduced.output, member.group.replicate_group, label=self.label)
-                reduced.assign()
-            return None
+            work = _collectives.all_reduce_(self.output, group, label=self.label, async_op=True)
+            return PendingAllReduce(to_all_reduce, work, self.label, carries_sums=carries_sums)
 
 
 class PendingAllReduce:
@@ -179,22 +178,10 @@ def summed_grad(slot: ParamSlot) -> torch.Tensor | None:
     return accumulated if grad is None else accumulated.add_(grad)
 
 
-def reduce_scatter_grads(
-    owner: ReduceOwner,
-    index: int,
-    slots: list[ParamSlot],
-    grads: list[torch.Tensor | None],
-    *,
-    mesh_info: MeshInfo,
-    reduce_dtype: torch.dtype,
-    divide_factor: float | None,
-) -> PendingReduce:
-    """Issue the reduce-scatter of bucket ``index``'s unsharded grads ``grads`` (one per slot,
-    ``None`` where none arrived on this rank) over the shard group."""
-    unissued = reduce_scatter_input(
-        owner, index, slots, grads, mesh_info=mesh_info, reduce_dtype=reduce_dtype, divide_factor=divide_factor
-    )
-    if mesh_info.shard_size == 1:
+def reduce_scatter_alone(unissued: UnissuedReduce) -> PendingReduce:
+    """Issue ``unissued``'s reduce-scatter on its own over the shard group (a shard group of one
+    reduces nothing: the input is this rank's chunk)."""
+    if unissued.mesh_info.shard_size == 1:
         return unissued.pending(unissued.input.view(-1), None)
     return cast(PendingReduce, reduce_scatter_together([unissued]))  # (one item: not coalesced)
 
