@@ -23,6 +23,7 @@ from fshard._unit._reduce import (
     PendingAllReduce,
     PendingReduce,
     UnissuedReduce,
+    reduce_scatter_alone,
     reduce_scatter_together,
 )
 from fshard._unit._registry import in_backward, units_made
@@ -398,8 +399,7 @@ class RootState:
         """Hold ``unissued`` to be issued with the next reduce-scatters, up to ``max_bytes`` of
         input in all; issue what was held first where it would not fit beside it."""
         if self._checking:  # (the first step: see unshard_ahead)
-            self.issue_queued_reduces()
-            self._add_pending_reduces([reduce_scatter_together([unissued])])
+            self.add_pending_reduce(reduce_scatter_alone(unissued))
             return
         nbytes = unissued.input.numel() * unissued.input.element_size()
         held = self._unissued
@@ -419,13 +419,13 @@ class RootState:
         """Issue the held reduce-scatter inputs as one collective."""
         held, self._unissued, self._unissued_bytes = self._unissued, [], 0
         if held:
-            self._add_pending_reduces([reduce_scatter_together(held)])
+            self._add_pending(reduce_scatter_together(held))
 
     def add_pending_reduce(self, pending: PendingReduce) -> None:
-        self.issue_queued_reduces()
-        self._add_pending_reduces([pending])
+        self.issue_queued_reduces()  # (issued before this one: the pipeline keeps issue order)
+        self._add_pending(pending)
 
-    def _add_pending_reduces(self, pendings: list[PendingReduce | CoalescedReduce]) -> None:
+    def _add_pending(self, pending: PendingReduce | CoalescedReduce) -> None:
         """Issue-order pipeline: at most one reduce-scatter and one all-reduce in flight.
 
         Landing the previous reduce-scatter issues its cross-replica all-reduce (2D meshes),
@@ -437,7 +437,7 @@ class RootState:
             follow_up = item.finish()
             if follow_up is not None:
                 self._pending_reduces.append(follow_up)
-        self._pending_reduces.extend(pendings)
+        self._pending_reduces.append(pending)
 
     def finish_reduces(self) -> None:
         self.issue_queued_reduces()
