@@ -209,11 +209,10 @@ class Replay:
             if self.virtual_grads:
                 self.ledger -= unit.grads
             activations = drop_grads()
-            held = sum(u.reduce_in for u in self.held)
-            if self.held and held + unit.reduce_in > self.coalesce_bytes:
+            if self.held and self._held_bytes() + unit.reduce_in > self.coalesce_bytes:
                 self._issue_held(activations)
             self.held.append(unit)
-            if held + unit.reduce_in >= self.coalesce_bytes:
+            if self._held_bytes() >= self.coalesce_bytes:
                 self._issue_held(activations)
             self.point(activations)
             return
@@ -229,6 +228,9 @@ class Replay:
         self._finish_pending()
         self.pending.append(unit)
         self.point(activations)
+
+    def _held_bytes(self) -> int:
+        return sum(u.reduce_in for u in self.held)
 
     def _issue_held(self, activations: int) -> None:
         """Issue the held reduce-scatter inputs as one: their concatenation (when several) and

@@ -119,6 +119,13 @@ def test_coalesced_units_hold_their_shared_buffers():
     # A limit below two units' reduce-scatter inputs: the reduce-scatters go one by one again.
     two = fshard.estimate(chain, coalesce_bytes=100, **kwargs)
     assert two.peak_bytes < together.peak_bytes
+    # A limit of one input (72 of 100): each unit's input waits for the next unit's, which does
+    # not fit beside it, and is issued then. On CUDA, where a reduce-scatter in flight holds its
+    # input, the peak is in the first unit's backward: shards 96, the last unit's input and
+    # output in flight (72 + 36), the middle unit's input held (72), and the first unit's grads
+    # and input (64 + 72).
+    one = fshard.estimate(chain, coalesce_bytes=100, **{**kwargs, "device": "cuda"})
+    assert (one.peak_bytes, one.peak_phase) == (96 + 72 + 36 + 72 + 64 + 72, "backward")
     with pytest.raises(ValueError, match="coalesce_bytes must be an int >= 0"):
         fshard.estimate(chain, coalesce_bytes=-1, **kwargs)
 
