@@ -811,9 +811,9 @@ class ParamGroup(UnitBackward, UnitGrads):
 # [Note: coalesced all-gathers]
 # Over gloo (and NCCL, at a smaller scale) a collective costs a fixed latency on top of its
 # bytes: a model of many small units pays it twice per unit in every step. So when a unit's
-# gather is issued ahead of its use (forward or backward prefetch, or the first unit of a
-# forward), the units that the recorded order runs right after it join the same all-gather,
-# while each is a plain sharded unit (``coalescable_bytes``), holds at most ``coalesce_bytes``
+# gather is issued ahead of its use (the forward's or the backward's prefetch; not in the
+# first step, see RootState.unshard_ahead), the units that the recorded order runs right after
+# it join the same all-gather, while each is a plain sharded unit (``coalescable_bytes``), holds at most ``coalesce_bytes``
 # and the gather stays within the first unit's ``coalesce_bytes``: one input (their flat shards
 # concatenated), one output whose ``(shard_size, sum of totals)`` view holds each unit's
 # rank-major all-gather output as a block of columns. Each unit then waits for the shared work
