@@ -322,3 +322,17 @@ def test_live_bytes_sees_storage_resizes_and_ignores_views_of_older_tensors():
         assert live.current == 990 * 4 + 8000
         del view
     assert (live.peak, live.current) == (990 * 4 + 8000, 8000)
+
+
+def test_cli_coalesce_sets_the_limit(tmp_path, capsys):
+    """``--coalesce BYTES`` is ``coalesce_bytes``; a negative one is an error naming it."""
+    peaks = []
+    for limit in ("0", str(1 << 20)):
+        out = tmp_path / f"e{limit}.json"
+        args = ["estimate", "tests.unit.test_estimate:chain", "--nproc", "2", "--by-class", "Linear",
+                "--optimizer", "none", "--device", "cpu", "--coalesce", limit, "--json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        peaks.append(json.loads(out.read_text())["peak_bytes"])
+    assert peaks == [368, 636]  # as test_coalesced_units_hold_their_shared_buffers counts
+    assert main(["estimate", "gpt", "--nproc", "2", "--coalesce", "-1"]) == 2
+    assert "coalesce_bytes must be an int >= 0" in capsys.readouterr().err
